@@ -1,0 +1,113 @@
+"""The errors of celery-redlock: one base class, and the per-master account of a failed vote.
+
+Every exception here pickles from its constructor arguments alone (``__reduce__``), because
+Celery serializes a task's exception into the result backend and ``AsyncResult.get()`` rebuilds
+it on the caller's side: a ``LockNotAcquired`` raised in a worker must arrive as a
+``LockNotAcquired``, votes included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+VoteKind = Literal["yes", "held", "error", "timeout"]
+
+
+@dataclass(frozen=True)
+class Vote:
+    """What one master answered in one round.
+
+    ``kind`` is ``yes`` (it granted), ``held`` (another token holds the key), ``error`` (it
+    answered with an error, or its connection failed; ``detail`` says which) or ``timeout`` (no
+    answer within ``request_timeout``).
+    """
+
+    master: str
+    kind: VoteKind
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.master}: {self.kind}" + (f" ({self.detail})" if self.detail else "")
+
+    def as_dict(self) -> dict[str, str]:
+        return {"master": self.master, "kind": self.kind, "detail": self.detail}
+
+
+class RedlockError(Exception):
+    """Base class of every error celery-redlock raises."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, self.args)
+
+
+class ConfigError(RedlockError, ValueError):
+    """A setting or argument is invalid; the message names it and the bad value."""
+
+
+class LockNotAcquired(RedlockError):
+    """No quorum of masters granted the lock.
+
+    ``votes`` holds one :class:`Vote` per master from the last attempt; ``elapsed`` is how long that
+    attempt took and ``validity`` what would have been left of the TTL (seconds).
+    """
+
+    def __init__(
+        self,
+        resource: str,
+        votes: Sequence[Vote | dict[str, str]] = (),
+        *,
+        attempts: int = 1,
+        elapsed: float = 0.0,
+        validity: float = 0.0,
+        quorum: int = 0,
+    ) -> None:
+        self.resource = resource
+        self.votes: tuple[Vote, ...] = tuple(
+            v if isinstance(v, Vote) else Vote(**v) for v in votes  # type: ignore[arg-type]
+        )
+        self.attempts = attempts
+        self.elapsed = elapsed
+        self.validity = validity
+        self.quorum = quorum
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        yes = sum(1 for v in self.votes if v.kind == "yes")
+        lines = [
+            f"lock {self.resource!r} not acquired after {self.attempts} attempt(s): "
+            f"{yes} of {len(self.votes)} masters granted it, quorum is {self.quorum}; "
+            f"last attempt took {self.elapsed * 1000:.1f} ms, validity {self.validity * 1000:.1f} ms"
+        ]
+        lines += [f"  {vote}" for vote in self.votes]
+        return "\n".join(lines)
+
+    @property
+    def held_by_other(self) -> bool:
+        """True when the masters that refused did so because another token holds the key."""
+        return any(v.kind == "held" for v in self.votes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_not_acquired, (self.resource, [v.as_dict() for v in self.votes],
+                                        self.attempts, self.elapsed, self.validity, self.quorum))
+
+
+def _rebuild_not_acquired(
+    resource: str, votes: list[dict[str, str]], attempts: int, elapsed: float,
+    validity: float, quorum: int,
+) -> LockNotAcquired:
+    return LockNotAcquired(resource, votes, attempts=attempts, elapsed=elapsed,
+                           validity=validity, quorum=quorum)
+
+
+class LockLost(RedlockError):
+    """A lock this process held is no longer held: it expired, or an extension lost the quorum."""
+
+    def __init__(self, resource: str, reason: str = "") -> None:
+        self.resource = resource
+        self.reason = reason
+        super().__init__(f"lock {resource!r} lost" + (f": {reason}" if reason else ""))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.__class__, (self.resource, self.reason))

@@ -1,0 +1,345 @@
+"""The N masters and the one fan-out primitive every Redlock operation goes through.
+
+A :class:`Round` takes one connection ("link") per master, writes a command to every link, then
+reads every reply against one shared deadline: N masters cost one round trip, and a dead or
+paused master costs at most ``request_timeout``, never a hang and never a hidden retry.
+
+Ordering is what keeps a lock from being left behind. A link whose reply did not arrive in time
+is not closed: it is marked as owing that reply, and any follow-up for the same key (the release
+after a failed acquire, or the retraction of a late vote) is written to that *same* link, so the
+master executes it after the late command. A link that owes replies is drained before it is
+reused and is never handed to another operation while it still owes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from . import scripts
+from .errors import ConfigError
+
+logger = logging.getLogger("celery_redlock.masters")
+
+Command = tuple[Any, ...]
+_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+# A master whose connection attempt failed is not tried again for this long, so a black-holed
+# master costs one request_timeout per interval rather than one per operation.
+RECONNECT_INTERVAL = 0.5
+# Links to a master that stopped answering pile up while each one waits for its late replies;
+# past this many, the oldest is closed.
+MAX_OWING_LINKS = 16
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One master's answer to one command: a reply, an error, or no answer in time."""
+
+    kind: Literal["ok", "error", "timeout"]
+    value: Any = None
+    detail: str = ""
+
+
+class Link:
+    """One connection to one master, and the count of replies it still owes us."""
+
+    __slots__ = ("conn", "owed")
+
+    def __init__(self, conn: redis.Connection) -> None:
+        self.conn = conn
+        self.owed = 0
+
+    def drain(self) -> bool:
+        """Read late replies that have already arrived; True when nothing is owed any more."""
+        while self.owed:
+            if not self.conn.can_read(timeout=0):
+                return False
+            try:
+                self.conn.read_response()
+            except ResponseError:
+                pass
+            self.owed -= 1
+        return True
+
+    def close(self) -> None:
+        try:
+            self.conn.disconnect()
+        except Exception:  # closing a broken socket may fail; it is being thrown away anyway
+            logger.debug("error while closing a link", exc_info=True)
+
+
+def _connection_options(
+    connection_class: type[redis.Connection], kwargs: dict[str, Any], request_timeout: float
+) -> dict[str, Any]:
+    options = dict(kwargs)
+    options.update(
+        socket_timeout=request_timeout,
+        socket_connect_timeout=request_timeout,
+        retry=Retry(NoBackoff(), 0),
+        retry_on_timeout=False,
+        retry_on_error=[],
+        health_check_interval=0,
+        socket_keepalive=True,
+    )
+    if issubclass(connection_class, redis.UnixDomainSocketConnection):
+        options.pop("socket_keepalive", None)
+    return options
+
+
+def describe(connection_class: type[redis.Connection], kwargs: dict[str, Any]) -> str:
+    """How a master is named in messages: host:port, or its socket path (plus a non-zero db)."""
+    if issubclass(connection_class, redis.UnixDomainSocketConnection):
+        name = str(kwargs.get("path"))
+    else:
+        name = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
+    db = int(kwargs.get("db") or 0)
+    return f"{name}/{db}" if db else name
+
+
+class Master:
+    """One independent Redis master: its name, its options, and a small stack of idle links."""
+
+    def __init__(
+        self, name: str, connection_class: type[redis.Connection], kwargs: dict[str, Any],
+        request_timeout: float,
+    ) -> None:
+        self.name = name
+        self._connection_class = connection_class
+        self._options = _connection_options(connection_class, kwargs, request_timeout)
+        self._idle: list[Link] = []
+        self._owing: list[Link] = []
+        self._mutex = threading.Lock()
+        self._pid = os.getpid()
+        self._down_until = 0.0
+        self._down_reason = ""
+
+    @classmethod
+    def from_spec(cls, spec: object, request_timeout: float) -> Master:
+        """A master from a redis URL or a ``redis.Redis`` client (only its options are used)."""
+        if isinstance(spec, redis.Redis):
+            pool = spec.connection_pool
+            connection_class = pool.connection_class
+            kwargs = dict(pool.connection_kwargs)
+        elif isinstance(spec, str):
+            scheme = urlparse(spec).scheme
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(
+                    f"masters: {spec!r} is not a redis URL (expected redis://, rediss:// or unix://)"
+                )
+            try:
+                pool = redis.ConnectionPool.from_url(spec)
+            except (ValueError, TypeError) as exc:
+                raise ConfigError(f"masters: cannot parse {spec!r}: {exc}") from None
+            connection_class = pool.connection_class
+            kwargs = dict(pool.connection_kwargs)
+            if not issubclass(connection_class, redis.UnixDomainSocketConnection) and not kwargs.get(
+                "host"
+            ):
+                raise ConfigError(f"masters: {spec!r} names no host")
+        else:
+            raise ConfigError(
+                f"masters: expected a redis URL or a redis.Redis client, got {type(spec).__name__}"
+            )
+        return cls(describe(connection_class, kwargs), connection_class, kwargs, request_timeout)
+
+    def _after_fork(self) -> None:
+        # The parent's sockets are not ours to use; redis-py's disconnect() in a child only
+        # closes the descriptor and leaves the parent's connection alone.
+        if self._pid != os.getpid():
+            with self._mutex:
+                if self._pid != os.getpid():
+                    self._idle.clear()
+                    self._owing.clear()
+                    self._pid = os.getpid()
+                    self._down_until = 0.0
+
+    def take_idle(self) -> Link | None:
+        """An idle link that owes nothing, if one is ready."""
+        self._after_fork()
+        with self._mutex:
+            if self._owing:
+                still_owing = []
+                for link in self._owing:
+                    try:
+                        if link.drain():
+                            self._idle.append(link)
+                            continue
+                    except _IO_ERRORS:
+                        link.close()
+                        continue
+                    still_owing.append(link)
+                self._owing = still_owing
+            return self._idle.pop() if self._idle else None
+
+    def connect(self) -> Link:
+        """A new link: connects and loads the scripts; raises ``ConnectionError`` if it cannot."""
+        now = time.monotonic()
+        if now < self._down_until:
+            raise RedisConnectionError(f"not retried until the last failure cools down: "
+                                       f"{self._down_reason}")
+        conn = self._connection_class(**self._options)
+        try:
+            conn.connect()
+            for script in scripts.ALL:
+                conn.send_command("SCRIPT", "LOAD", script.source)
+            for _ in scripts.ALL:
+                conn.read_response()
+        except (*_IO_ERRORS, ResponseError) as exc:
+            conn.disconnect()
+            self._down_until = time.monotonic() + RECONNECT_INTERVAL
+            self._down_reason = f"{type(exc).__name__}: {exc}"
+            raise RedisConnectionError(self._down_reason) from exc
+        return Link(conn)
+
+    def give_back(self, link: Link) -> None:
+        if self._pid != os.getpid():
+            return
+        with self._mutex:
+            if link.owed:
+                self._owing.append(link)
+                if len(self._owing) > MAX_OWING_LINKS:
+                    self._owing.pop(0).close()
+            else:
+                self._idle.append(link)
+
+    def close(self) -> None:
+        with self._mutex:
+            links, self._idle, self._owing = self._idle + self._owing, [], []
+        for link in links:
+            link.close()
+
+
+_connector: ThreadPoolExecutor | None = None
+_connector_pid = 0
+_connector_mutex = threading.Lock()
+
+
+def _connector_pool() -> ThreadPoolExecutor:
+    """Threads for connecting to several masters at once (only when links must be made)."""
+    global _connector, _connector_pid
+    with _connector_mutex:
+        if _connector is None or _connector_pid != os.getpid():
+            _connector = ThreadPoolExecutor(max_workers=8, thread_name_prefix="redlock-connect")
+            _connector_pid = os.getpid()
+        return _connector
+
+
+class Round:
+    """One link per master for the span of one lock operation; a context manager.
+
+    ``call`` sends one command per master and waits for the replies; further calls in the same
+    round reuse the same links, which is what orders a release after a late acquire.
+    """
+
+    def __init__(self, masters: Sequence[Master]) -> None:
+        self.masters = masters
+        self.links: list[Link | None] = [master.take_idle() for master in masters]
+        self.failures: list[str] = [""] * len(masters)
+        missing = [i for i, link in enumerate(self.links) if link is None]
+        if len(missing) == 1:
+            self._connect(missing[0])
+        elif missing:
+            list(_connector_pool().map(self._connect, missing))
+
+    def _connect(self, index: int) -> None:
+        try:
+            self.links[index] = self.masters[index].connect()
+        except RedisConnectionError as exc:
+            self.failures[index] = str(exc)
+
+    def _drop(self, index: int, exc: BaseException) -> Outcome:
+        link = self.links[index]
+        if link is not None:
+            link.close()
+        self.links[index] = None
+        self.failures[index] = f"{type(exc).__name__}: {exc}"
+        return Outcome("error", detail=self.failures[index])
+
+    def call(self, commands: Sequence[Command | None], timeout: float) -> list[Outcome]:
+        """Send ``commands[i]`` to master i (None: skip it) and read the replies by one deadline.
+
+        A link that still owes a reply from an earlier call in this round gets the command too,
+        queued behind the late one, but is not waited for again: its outcome is ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        outcomes: list[Outcome] = [Outcome("error", detail="not sent")] * len(commands)
+        waiting: list[int] = []
+        for i, command in enumerate(commands):
+            if command is None:
+                continue
+            link = self.links[i]
+            if link is None:
+                outcomes[i] = Outcome("error", detail=self.failures[i] or "no connection")
+                continue
+            try:
+                link.conn.send_packed_command(link.conn.pack_command(*command), check_health=False)
+            except _IO_ERRORS as exc:
+                outcomes[i] = self._drop(i, exc)
+                continue
+            if link.owed:
+                link.owed += 1
+                outcomes[i] = Outcome("timeout", detail="queued behind a reply that is late")
+            else:
+                waiting.append(i)
+        for i in waiting:
+            outcomes[i] = self._read(i, commands[i], deadline)  # type: ignore[arg-type]
+        return outcomes
+
+    def _read(self, index: int, command: Command, deadline: float) -> Outcome:
+        link = self.links[index]
+        assert link is not None
+        try:
+            if not link.conn.can_read(timeout=max(deadline - time.monotonic(), 0.0)):
+                link.owed += 1
+                return Outcome("timeout", detail="no reply within request_timeout")
+            return Outcome("ok", link.conn.read_response())
+        except ResponseError as exc:
+            if str(exc).startswith("NOSCRIPT") and command[0] == "EVALSHA":
+                return self._eval_instead(index, command, deadline)
+            return Outcome("error", detail=f"ResponseError: {exc}")
+        except _IO_ERRORS as exc:
+            return self._drop(index, exc)
+
+    def _eval_instead(self, index: int, command: Command, deadline: float) -> Outcome:
+        script = next(s for s in scripts.ALL if s.sha == command[1])
+        link = self.links[index]
+        assert link is not None
+        try:
+            link.conn.send_packed_command(
+                link.conn.pack_command("EVAL", script.source, *command[2:]), check_health=False
+            )
+        except _IO_ERRORS as exc:
+            return self._drop(index, exc)
+        return self._read(index, ("EVAL", *command[1:]), deadline)
+
+    def close(self) -> None:
+        for master, link in zip(self.masters, self.links):
+            if link is not None:
+                master.give_back(link)
+        self.links = [None] * len(self.masters)
+
+    def __enter__(self) -> Round:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def evalsha(script: scripts.Script, keys: Iterable[str], args: Iterable[Any]) -> Command:
+    keys = list(keys)
+    return ("EVALSHA", script.sha, len(keys), *keys, *args)

@@ -1,0 +1,364 @@
+"""The Redlock algorithm over N independent masters. Knows nothing of Celery.
+
+Acquire, as the Redis documentation describes it:
+
+1. note the monotonic time, t_start;
+2. try to set the key to a fresh random token with the TTL on every master at once;
+3. the lock is held iff a majority (N//2 + 1) granted it and the validity left,
+   ``ttl - (t_end - t_start) - (ttl * drift_factor + 2 ms)``, is positive;
+4. otherwise release on every master (also those that did not answer: the write may have
+   landed) and try again after a random delay.
+
+The holder may only act on the resource while the validity lasts; :meth:`Lock.extend` renews it
+on a quorum, and cannot revive a key that expired or that another token holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from . import scripts
+from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
+from .masters import Master, Outcome, Round, evalsha
+
+logger = logging.getLogger("celery_redlock.redlock")
+
+# Names longer than this are shortened to a readable head plus a digest of the whole name.
+MAX_NAME_LENGTH = 512
+CLOCK_DRIFT_FLOOR = 0.002
+
+
+class RedlockWarning(UserWarning):
+    """A configuration that works but weakens the lock's guarantees."""
+
+
+def _number(name: str, value: object, *, minimum: float, inclusive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if value < minimum or (value == minimum and not inclusive):
+        bound = f">= {minimum}" if inclusive else f"> {minimum}"
+        raise ConfigError(f"{name} must be {bound}, got {value!r}")
+    return float(value)
+
+
+def lock_key(prefix: str, name: object) -> str:
+    """The key a resource name is stored under; over-long names keep a head and a digest."""
+    if not isinstance(name, str):
+        raise ConfigError(f"lock name must be a str, got {type(name).__name__}: {name!r}")
+    if not name:
+        raise ConfigError("lock name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+        name = f"{name[:64]}~sha256:{digest}"
+    return prefix + name
+
+
+class Redlock:
+    """A lock factory over N independent Redis masters.
+
+    ``masters`` are redis URLs (``redis://``, ``rediss://``, ``unix://``) or ``redis.Redis``
+    clients; only their connection options are used, on connections of our own with
+    ``request_timeout`` for connect and read and no client-side retries.
+    """
+
+    def __init__(
+        self,
+        masters: Iterable[str | Any],
+        *,
+        ttl: float = 30.0,
+        retry_count: int = 3,
+        retry_delay: float = 0.2,
+        drift_factor: float = 0.01,
+        request_timeout: float = 0.1,
+        key_prefix: str = "redlock:",
+    ) -> None:
+        if isinstance(masters, (str, bytes)):
+            masters = [masters]
+        specs = list(masters)
+        if not specs:
+            raise ConfigError("masters: at least one master is needed")
+        self.ttl = _number("ttl", ttl, minimum=0)
+        if isinstance(retry_count, bool) or not isinstance(retry_count, int) or retry_count < 0:
+            raise ConfigError(f"retry_count must be an int >= 0, got {retry_count!r}")
+        self.retry_count = retry_count
+        self.retry_delay = _number("retry_delay", retry_delay, minimum=0, inclusive=True)
+        self.drift_factor = _number("drift_factor", drift_factor, minimum=0, inclusive=True)
+        if self.drift_factor >= 0.5:
+            raise ConfigError(f"drift_factor must be < 0.5, got {drift_factor!r}")
+        self.request_timeout = _number("request_timeout", request_timeout, minimum=0)
+        if not isinstance(key_prefix, str):
+            raise ConfigError(f"key_prefix must be a str, got {key_prefix!r}")
+        self.key_prefix = key_prefix
+
+        self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
+        names = [m.name for m in self.masters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ConfigError(
+                f"masters: {', '.join(duplicates)} listed more than once; each master must be an "
+                "independent server, or one server would cast several votes"
+            )
+        if len(self.masters) % 2 == 0:
+            message = (
+                f"masters: {len(self.masters)} is even; a quorum of {len(self.masters) // 2 + 1} "
+                f"tolerates no more failures than {len(self.masters) - 1} masters would"
+            )
+            warnings.warn(message, RedlockWarning, stacklevel=2)
+            logger.warning(message)
+        self.quorum = len(self.masters) // 2 + 1
+
+    def __repr__(self) -> str:
+        return f"<Redlock {len(self.masters)} masters quorum={self.quorum} ttl={self.ttl}s>"
+
+    # -- public factory --------------------------------------------------------------------------
+    def lock(
+        self, name: str, ttl: float | None = None, *, timeout: float | None = None,
+        blocking: bool = True,
+    ) -> Lock:
+        """A :class:`Lock` for one resource. Nothing is sent until it is acquired."""
+        return Lock(self, name, ttl, timeout=timeout, blocking=blocking)
+
+    def close(self) -> None:
+        for master in self.masters:
+            master.close()
+
+    def __enter__(self) -> Redlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the algorithm ----------------------------------------------------------------------------
+    def drift(self, ttl: float) -> float:
+        return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
+
+    def _round(self) -> Round:
+        return Round(self.masters)
+
+    def _votes(self, outcomes: Sequence[Outcome]) -> list[Vote]:
+        votes = []
+        for master, outcome in zip(self.masters, outcomes):
+            if outcome.kind == "ok":
+                granted = outcome.value[0] == 1 if isinstance(outcome.value, list) else (
+                    outcome.value == 1
+                )
+                if granted:
+                    votes.append(Vote(master.name, "yes"))
+                else:
+                    detail = ""
+                    if isinstance(outcome.value, list) and int(outcome.value[1]) >= 0:
+                        detail = f"expires in {int(outcome.value[1])} ms"
+                    votes.append(Vote(master.name, "held", detail))
+            else:
+                votes.append(Vote(master.name, outcome.kind, outcome.detail))
+        return votes
+
+    def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
+
+        On failure every master is sent the release on the link the acquire used, so a late
+        write is always followed by its deletion.
+        """
+        ttl_ms = int(ttl * 1000)
+        acquire = evalsha(scripts.ACQUIRE, [key], [token, ttl_ms])
+        with self._round() as rnd:
+            t_start = time.monotonic()
+            outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
+            elapsed = time.monotonic() - t_start
+            votes = self._votes(outcomes)
+            granted = sum(1 for v in votes if v.kind == "yes")
+            validity = ttl - elapsed - self.drift(ttl)
+            release = evalsha(scripts.RELEASE, [key], [token])
+            if granted >= self.quorum and validity > 0:
+                # A master that answered late may still set the key; retract it on the same link
+                # (not waited for) so the key cannot outlive our release.
+                late = [release if v.kind == "timeout" else None for v in votes]
+                if any(late):
+                    rnd.call(late, 0.0)
+                return validity, votes, elapsed
+            rnd.call([release] * len(self.masters), self.request_timeout)
+        return min(validity, 0.0), votes, elapsed
+
+    def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
+        command = evalsha(scripts.EXTEND, [key], [token, int(ttl * 1000)])
+        with self._round() as rnd:
+            t_start = time.monotonic()
+            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+            elapsed = time.monotonic() - t_start
+        votes = self._votes(outcomes)
+        granted = sum(1 for v in votes if v.kind == "yes")
+        validity = ttl - elapsed - self.drift(ttl)
+        return (validity if granted >= self.quorum else 0.0), votes, elapsed
+
+    def release_key(self, key: str, token: str) -> list[Vote]:
+        command = evalsha(scripts.RELEASE, [key], [token])
+        with self._round() as rnd:
+            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+        return self._votes(outcomes)
+
+    def holders(self, key: str) -> int:
+        """How many masters hold ``key`` at all (by any token)."""
+        with self._round() as rnd:
+            outcomes = rnd.call([("EXISTS", key)] * len(self.masters), self.request_timeout)
+        return sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
+
+
+class Lock:
+    """One resource's lock on a :class:`Redlock`. Shareable across threads.
+
+    Use ``acquire``/``release`` or ``with``. ``validity`` is how many seconds of guaranteed
+    hold are left; act on the resource only while ``owned()`` is true.
+    """
+
+    def __init__(
+        self, redlock: Redlock, name: str, ttl: float | None = None, *,
+        timeout: float | None = None, blocking: bool = True,
+    ) -> None:
+        self.redlock = redlock
+        self.key = lock_key(redlock.key_prefix, name)
+        self.name = name
+        self.ttl = redlock.ttl if ttl is None else _number("ttl", ttl, minimum=0)
+        self._timeout = timeout
+        self._blocking = blocking
+        self._token: str | None = None
+        self._valid_until = 0.0
+        self._lost_reason = ""
+        self._op = threading.Lock()
+        self.last_votes: list[Vote] = []
+        self.last_error: LockNotAcquired | None = None
+
+    def __repr__(self) -> str:
+        state = f"owned, {self.validity:.3f}s left" if self.owned() else "not owned"
+        return f"<Lock {self.name!r} ttl={self.ttl}s {state}>"
+
+    @property
+    def token(self) -> str | None:
+        return self._token
+
+    @property
+    def validity(self) -> float:
+        if self._token is None or self._lost_reason:
+            return 0.0
+        return max(0.0, self._valid_until - time.monotonic())
+
+    @property
+    def lost_reason(self) -> str:
+        """Why the lock was lost ("" while held or never acquired)."""
+        return self._lost_reason
+
+    def owned(self) -> bool:
+        return self.validity > 0.0
+
+    def locked(self) -> bool:
+        """Whether a quorum of masters holds this resource, by any token."""
+        return self.redlock.holders(self.key) >= self.redlock.quorum
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Try to take the lock; True once held. Like ``threading.Lock.acquire``.
+
+        ``blocking=False`` tries one round. Otherwise retries after a random delay in
+        ``[0, retry_delay)``: until ``timeout`` seconds have passed, or, with no timeout, for
+        ``retry_count`` more attempts.
+        """
+        if timeout is not None:
+            if not blocking:
+                raise ConfigError("timeout cannot be given with blocking=False")
+            _number("timeout", timeout, minimum=0, inclusive=True)
+        if self.owned():
+            raise RedlockError(f"lock {self.name!r} is already held by this Lock")
+        redlock = self.redlock
+        deadline = None if timeout is None else time.monotonic() + timeout
+        attempts = 0
+        while True:
+            attempts += 1
+            token = secrets.token_hex(20)
+            with self._op:
+                validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
+                self.last_votes = votes
+                if validity > 0:
+                    self._token = token
+                    self._valid_until = time.monotonic() + validity
+                    self._lost_reason = ""
+                    self.last_error = None
+                    logger.debug("acquired %s in %.2f ms (validity %.3f s)", self.key,
+                                 elapsed * 1000, validity)
+                    return True
+            self.last_error = LockNotAcquired(
+                self.name, votes, attempts=attempts, elapsed=elapsed, validity=validity,
+                quorum=redlock.quorum,
+            )
+            if not blocking:
+                return False
+            delay = random.uniform(0, redlock.retry_delay)
+            if deadline is None:
+                if attempts > redlock.retry_count:
+                    return False
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                delay = min(delay, remaining)
+            time.sleep(delay)
+
+    def extend(self, ttl: float | None = None) -> bool:
+        """Renew the lock to a full ``ttl`` (default: its own) on a quorum; False if lost.
+
+        A failed extension leaves the validity the lock already had; it is lost for good when
+        the masters that no longer hold the token leave no quorum possible.
+        """
+        ttl = self.ttl if ttl is None else _number("ttl", ttl, minimum=0)
+        with self._op:
+            token = self._token
+            if token is None or self._lost_reason or not self.owned():
+                return False
+            validity, votes, elapsed = self.redlock.try_extend(self.key, token, ttl)
+            self.last_votes = votes
+            if validity > 0 and self._token == token:
+                self._valid_until = time.monotonic() + validity
+                return True
+            gone = sum(1 for v in votes if v.kind == "held")
+            if gone > len(votes) - self.redlock.quorum:
+                self._lost_reason = (
+                    f"{gone} of {len(votes)} masters no longer hold this token"
+                )
+            logger.debug("extension of %s failed: %s", self.key, "; ".join(map(str, votes)))
+            return False
+
+    def release(self) -> None:
+        """Release on every master. Releasing a lock not held (or already gone) does nothing."""
+        with self._op:
+            token, self._token = self._token, None
+            self._valid_until = 0.0
+            self._lost_reason = ""
+        if token is not None:
+            self.redlock.release_key(self.key, token)
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock is still owned."""
+        if not self.owned():
+            reason = self._lost_reason or (
+                "validity ran out" if self._token is not None else "not acquired"
+            )
+            raise LockLost(self.name, reason)
+
+    def __enter__(self) -> Lock:
+        if not self.acquire(self._blocking, self._timeout):
+            assert self.last_error is not None
+            raise self.last_error
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

