@@ -13,6 +13,7 @@ reused and is never handed to another operation while it still owes them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -69,10 +70,8 @@ class Link:
         while self.owed:
             if not self.conn.can_read(timeout=0):
                 return False
-            try:
+            with contextlib.suppress(ResponseError):
                 self.conn.read_response()
-            except ResponseError:
-                pass
             self.owed -= 1
         return True
 
@@ -147,9 +146,8 @@ class Master:
                 raise ConfigError(f"masters: cannot parse {spec!r}: {exc}") from None
             connection_class = pool.connection_class
             kwargs = dict(pool.connection_kwargs)
-            if not issubclass(connection_class, redis.UnixDomainSocketConnection) and not kwargs.get(
-                "host"
-            ):
+            is_unix = issubclass(connection_class, redis.UnixDomainSocketConnection)
+            if not is_unix and not kwargs.get("host"):
                 raise ConfigError(f"masters: {spec!r} names no host")
         else:
             raise ConfigError(
@@ -328,7 +326,7 @@ class Round:
         return self._read(index, ("EVAL", *command[1:]), deadline)
 
     def close(self) -> None:
-        for master, link in zip(self.masters, self.links):
+        for master, link in zip(self.masters, self.links, strict=True):
             if link is not None:
                 master.give_back(link)
         self.links = [None] * len(self.masters)

@@ -146,7 +146,7 @@ class Redlock:
 
     def _votes(self, outcomes: Sequence[Outcome]) -> list[Vote]:
         votes = []
-        for master, outcome in zip(self.masters, outcomes):
+        for master, outcome in zip(self.masters, outcomes, strict=True):
             if outcome.kind == "ok":
                 granted = outcome.value[0] == 1 if isinstance(outcome.value, list) else (
                     outcome.value == 1
@@ -321,7 +321,7 @@ class Lock:
             token = self._token
             if token is None or self._lost_reason or not self.owned():
                 return False
-            validity, votes, elapsed = self.redlock.try_extend(self.key, token, ttl)
+            validity, votes, _ = self.redlock.try_extend(self.key, token, ttl)
             self.last_votes = votes
             if validity > 0 and self._token == token:
                 self._valid_until = time.monotonic() + validity

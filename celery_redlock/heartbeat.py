@@ -1,0 +1,208 @@
+"""One daemon thread per process that keeps held locks alive. Knows nothing of Celery.
+
+Each kept lock is extended about every ``ttl / 3``. A failed extension is retried quickly while
+the lock still has validity left; the lock is *lost* when its validity runs out or when the
+masters that no longer hold its token leave no quorum possible. The owner then hears of it
+through its ``on_lost`` callback. ``max_hold`` stops the extensions after that many seconds, so a
+stuck holder cannot keep a resource forever: the lock then expires and counts as lost.
+
+The thread holds only weak references to locks, and the process's heartbeat is recreated after
+``fork``: a child never extends its parent's locks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .redlock import Lock
+
+logger = logging.getLogger("celery_redlock.heartbeat")
+
+OnLost = Callable[[Lock, str], None]
+
+# After a failed extension, try again after this fraction of the validity left (at least
+# MIN_RETRY seconds), so a passing fault does not cost the lock.
+RETRY_FRACTION = 0.25
+MIN_RETRY = 0.02
+
+
+@dataclass
+class _Entry:
+    lock_ref: weakref.ReferenceType[Lock]
+    interval: float
+    on_lost: OnLost | None
+    hold_until: float | None
+    token: str | None
+    done: bool = False
+
+
+@dataclass(order=True)
+class _Due:
+    at: float
+    seq: int
+    entry: _Entry = field(compare=False)
+
+
+class Heartbeat:
+    """Extends every lock it keeps, from one daemon thread started on first use."""
+
+    def __init__(self, name: str = "redlock-heartbeat") -> None:
+        self._name = name
+        self._queue: list[_Due] = []
+        self._entries: dict[int, _Entry] = {}
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    def keep(
+        self, lock: Lock, *, interval: float | None = None, on_lost: OnLost | None = None,
+        max_hold: float | None = None,
+    ) -> None:
+        """Start keeping ``lock`` (already acquired) alive until :meth:`forget`."""
+        if not lock.owned():
+            raise ValueError(f"lock {lock.name!r} is not held; acquire it before keeping it alive")
+        every = lock.ttl / 3 if interval is None else interval
+        if every <= 0:
+            raise ValueError(f"heartbeat interval must be > 0, got {every!r}")
+        hold_until = None if max_hold is None else time.monotonic() + max_hold
+        entry = _Entry(weakref.ref(lock), every, on_lost, hold_until, lock.token)
+        with self._cond:
+            old = self._entries.get(id(lock))
+            if old is not None:
+                old.done = True
+            self._entries[id(lock)] = entry
+            self._push(time.monotonic() + every, entry)
+            self._ensure_thread()
+            self._cond.notify()
+
+    def forget(self, lock: Lock) -> None:
+        """Stop keeping ``lock`` alive (call before or after releasing it)."""
+        with self._cond:
+            entry = self._entries.pop(id(lock), None)
+            if entry is not None:
+                entry.done = True
+
+    def kept(self) -> list[Lock]:
+        """The locks kept alive now."""
+        with self._cond:
+            refs = [e.lock_ref() for e in self._entries.values() if not e.done]
+        return [lock for lock in refs if lock is not None]
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------------------
+    def _push(self, at: float, entry: _Entry) -> None:
+        heapq.heappush(self._queue, _Due(at, next(self._seq), entry))
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping:
+                    while self._queue and self._queue[0].entry.done:
+                        heapq.heappop(self._queue)
+                    if self._queue and self._queue[0].at <= time.monotonic():
+                        break
+                    wait = self._queue[0].at - time.monotonic() if self._queue else None
+                    self._cond.wait(wait)
+                if self._stopping:
+                    return
+                due = heapq.heappop(self._queue).entry
+            try:
+                self._beat(due)
+            except Exception:  # a bug in one entry must not stop the others' heartbeat
+                logger.exception("heartbeat failed for one lock")
+
+    def _beat(self, entry: _Entry) -> None:
+        lock = entry.lock_ref()
+        if lock is None or entry.done:
+            return
+        if lock.token != entry.token:  # released (or re-acquired) by its owner meanwhile
+            self._finish(lock, entry)
+            return
+        now = time.monotonic()
+        if entry.hold_until is not None and now >= entry.hold_until:
+            if lock.owned():
+                logger.warning("lock %s reached its max hold; no longer extended, it expires "
+                               "in %.1f s", lock.name, lock.validity)
+                self._reschedule(entry, now + lock.validity)
+            else:
+                self._lost(lock, entry, "max hold reached; the lock was left to expire")
+            return
+        if lock.extend():
+            self._reschedule(entry, time.monotonic() + entry.interval)
+            return
+        if lock.token != entry.token:
+            self._finish(lock, entry)
+            return
+        if lock.owned():
+            retry = max(MIN_RETRY, lock.validity * RETRY_FRACTION)
+            logger.warning("extension of %s failed; %.2f s of validity left, retrying in %.2f s",
+                           lock.name, lock.validity, retry)
+            self._reschedule(entry, time.monotonic() + min(retry, entry.interval))
+            return
+        reason = lock.lost_reason or "validity ran out before an extension succeeded"
+        self._lost(lock, entry, reason)
+
+    def _reschedule(self, entry: _Entry, at: float) -> None:
+        with self._cond:
+            if not entry.done:
+                self._push(at, entry)
+
+    def _finish(self, lock: Lock, entry: _Entry) -> None:
+        with self._cond:
+            entry.done = True
+            if self._entries.get(id(lock)) is entry:
+                del self._entries[id(lock)]
+
+    def _lost(self, lock: Lock, entry: _Entry, reason: str) -> None:
+        self._finish(lock, entry)
+        logger.error("lock %s lost: %s", lock.name, reason)
+        if entry.on_lost is not None:
+            try:
+                entry.on_lost(lock, reason)
+            except Exception:
+                logger.exception("on_lost callback failed for %s", lock.name)
+
+
+_process_heartbeat: Heartbeat | None = None
+_process_mutex = threading.Lock()
+
+
+def process_heartbeat() -> Heartbeat:
+    """This process's heartbeat (a new one in a forked child)."""
+    global _process_heartbeat
+    with _process_mutex:
+        if _process_heartbeat is None:
+            _process_heartbeat = Heartbeat()
+        return _process_heartbeat
+
+
+def _forget_after_fork() -> None:
+    global _process_heartbeat, _process_mutex
+    _process_heartbeat = None
+    _process_mutex = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)
