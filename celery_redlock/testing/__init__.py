@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from .celery import CeleryBeat, CeleryProcess, CeleryProcessError, CeleryWorker
 from .servers import RedisServer, ServerError, ServerSet, free_port, server_binary
 
-__all__ = ["RedisServer", "ServerError", "ServerSet", "free_port", "server_binary"]
+__all__ = [
+    "CeleryBeat",
+    "CeleryProcess",
+    "CeleryProcessError",
+    "CeleryWorker",
+    "RedisServer",
+    "ServerError",
+    "ServerSet",
+    "free_port",
+    "server_binary",
+]
