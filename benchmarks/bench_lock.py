@@ -1,0 +1,345 @@
+"""Redlock's cost over N loopback masters, against the floor of the same commands with no lock logic.
+
+Run:  python benchmarks/bench_lock.py [--masters 1,3,5] [--iterations 3000] [--duration 10]
+                                      [--processes 8]
+
+The script starts its own masters (``celery_redlock.testing.ServerSet``; set
+``CELERY_REDLOCK_SERVER_BIN`` to run another binary) and stops them when it ends.
+
+Uncontended: one thread, one resource, ``acquire(blocking=False)`` then ``release()``, timed per
+iteration. The *floor* is the least any client could do for the same lock: ``SET key token NX PX
+ttl`` written to every master's socket, every reply read, then the release script (EVALSHA) the same
+way, over plain redis-py connections. Redlock and floor run in alternating blocks in the same
+process, so both see the same machine load; the ratio is what the lock logic costs.
+
+Contended: ``--processes`` processes loop on one resource for ``--duration`` seconds; a critical
+section is one successful acquisition followed by its release. The floor loop sends the same
+raw commands: SET NX PX to all masters, a quorum of OKs is a hold, and the release script goes to
+every master whose SET succeeded (after a hold: all of them). A failed try is retried at once, or
+after the same random delay (``--retry-delay``) for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.synchronize import Event as EventType
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+
+from celery_redlock import Redlock
+from celery_redlock import scripts as lock_scripts
+from celery_redlock.testing import ServerSet
+
+TTL = 10.0
+# Generous: on a loaded 2-core machine a read can take tens of ms; a floor that gave up early
+# would not be a floor.
+FLOOR_SOCKET_TIMEOUT = 2.0
+# How long a contended run may overrun its duration before its processes are killed.
+CONTENDED_GRACE = 30.0
+
+
+# -- the floor: raw commands, poor man's multiplexing ---------------------------------------------
+class Floor:
+    """Plain redis-py connections, one per master: write the command to all, then read all."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.conns: list[redis.Connection] = []
+        for url in urls:
+            parsed = urlparse(url)
+            conn = redis.Connection(
+                host=parsed.hostname or "127.0.0.1", port=parsed.port or 6379,
+                socket_timeout=FLOOR_SOCKET_TIMEOUT, socket_connect_timeout=FLOOR_SOCKET_TIMEOUT,
+            )
+            conn.connect()
+            conn.send_command("SCRIPT", "LOAD", lock_scripts.RELEASE.source)
+            conn.read_response()
+            self.conns.append(conn)
+        self.quorum = len(self.conns) // 2 + 1
+        self.ttl_ms = int(TTL * 1000)
+
+    def fan_out(self, packed: list[bytes], conns: Sequence[redis.Connection]) -> list[Any]:
+        for conn in conns:
+            conn.send_packed_command(packed, check_health=False)
+        return [conn.read_response() for conn in conns]
+
+    def set_nx(self, key: str, token: str) -> list[Any]:
+        packed = self.conns[0].pack_command("SET", key, token, "NX", "PX", self.ttl_ms)
+        return self.fan_out(packed, self.conns)
+
+    def release(self, key: str, token: str, conns: Sequence[redis.Connection]) -> list[Any]:
+        packed = self.conns[0].pack_command("EVALSHA", lock_scripts.RELEASE.sha, 1, key, token)
+        return self.fan_out(packed, conns)
+
+    def try_hold(self, key: str) -> bool:
+        """One contended attempt: a hold is a quorum of OKs; every OK is then released."""
+        token = secrets.token_hex(20)
+        replies = self.set_nx(key, token)
+        won = [conn for conn, reply in zip(self.conns, replies, strict=True) if reply is not None]
+        if won:
+            self.release(key, token, won)
+        return len(won) >= self.quorum
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.disconnect()
+
+
+# -- uncontended ----------------------------------------------------------------------------------
+@dataclass
+class Samples:
+    name: str
+    ns: list[int]
+
+    def p(self, q: float) -> float:
+        ordered = sorted(self.ns)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+
+    @property
+    def ops(self) -> float:
+        return len(self.ns) / (sum(self.ns) / 1e9)
+
+
+def redlock_step(redlock: Redlock, key: str) -> Callable[[], None]:
+    lock = redlock.lock(key, ttl=TTL)
+
+    def step() -> None:
+        if not lock.acquire(blocking=False):
+            raise RuntimeError(f"uncontended acquire failed: {lock.last_error}")
+        lock.release()
+
+    return step
+
+
+def floor_step(floor: Floor, key: str) -> Callable[[], None]:
+    def step() -> None:
+        token = secrets.token_hex(20)
+        if not all(reply is not None for reply in floor.set_nx(key, token)):
+            raise RuntimeError("uncontended floor SET NX was refused")
+        if floor.release(key, token, floor.conns) != [1] * len(floor.conns):
+            raise RuntimeError("uncontended floor release deleted nothing")
+
+    return step
+
+
+def run_block(step: Callable[[], None], count: int, into: list[int]) -> None:
+    clock = time.perf_counter_ns
+    for _ in range(count):
+        t0 = clock()
+        step()
+        into.append(clock() - t0)
+
+
+def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
+    redlock = Redlock(urls, ttl=TTL)
+    floor = Floor(urls)
+    try:
+        steps = {
+            "redlock": redlock_step(redlock, "bench:uncontended:redlock"),
+            "floor": floor_step(floor, "bench:uncontended:floor"),
+        }
+        samples = {name: Samples(name, []) for name in steps}
+        for step in steps.values():
+            run_block(step, warmup, [])
+        done = 0
+        while done < iterations:
+            count = min(block, iterations - done)
+            # Alternate which goes first, so neither always follows the other's cache effects.
+            order = list(steps) if (done // block) % 2 == 0 else list(reversed(steps))
+            for name in order:
+                run_block(steps[name], count, samples[name].ns)
+            done += count
+        return samples["redlock"], samples["floor"]
+    finally:
+        floor.close()
+        redlock.close()
+
+
+# -- contended ------------------------------------------------------------------------------------
+def contender(
+    kind: str, urls: list[str], key: str, start_at: EventType, ready: Any, results: Any,
+    duration: float, retry_delay: float,
+) -> None:
+    """One competing process: loops on one resource until ``duration`` has passed."""
+    try_hold: Callable[[], bool]
+    if kind == "redlock":
+        redlock = Redlock(urls, ttl=TTL, retry_count=0)
+        lock = redlock.lock(key, ttl=TTL)
+
+        def try_hold() -> bool:
+            if lock.acquire(blocking=False):
+                lock.release()
+                return True
+            return False
+
+        closer: Callable[[], None] = redlock.close
+    else:
+        floor = Floor(urls)
+
+        def try_hold() -> bool:
+            return floor.try_hold(key)
+
+        closer = floor.close
+    # One attempt before the start, so connecting is not counted.
+    try_hold()
+    ready.put(os.getpid())
+    start_at.wait(timeout=60)
+    holds = attempts = 0
+    deadline = time.monotonic() + duration
+    while time.monotonic() < deadline:
+        attempts += 1
+        if try_hold():
+            holds += 1
+        elif retry_delay > 0:
+            time.sleep(random.uniform(0, retry_delay))
+    results.put((os.getpid(), holds, attempts))
+    closer()
+
+
+@dataclass
+class Contended:
+    name: str
+    holds: int
+    attempts: int
+    duration: float
+
+    @property
+    def per_second(self) -> float:
+        return self.holds / self.duration
+
+
+def contended(kind: str, urls: list[str], processes: int, duration: float,
+              retry_delay: float) -> Contended:
+    ctx = multiprocessing.get_context("spawn")
+    start_at = ctx.Event()
+    ready = ctx.Queue()
+    results = ctx.Queue()
+    key = f"bench:contended:{kind}:{len(urls)}"
+    procs = [
+        ctx.Process(target=contender, args=(kind, urls, key, start_at, ready, results, duration,
+                                            retry_delay), daemon=True)
+        for _ in range(processes)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        for _ in procs:
+            ready.get(timeout=60)
+        start_at.set()
+        holds = attempts = 0
+        for _ in procs:
+            _, h, a = results.get(timeout=duration + CONTENDED_GRACE)
+            holds += h
+            attempts += a
+        for proc in procs:
+            proc.join(timeout=10)
+        return Contended(kind, holds, attempts, duration)
+    finally:
+        for proc in procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, 9)
+                proc.join(timeout=5)
+
+
+# -- report ---------------------------------------------------------------------------------------
+def row(cells: Sequence[object], widths: Sequence[int]) -> str:
+    return "| " + " | ".join(str(c).rjust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+
+def table(header: Sequence[str], rows: list[list[object]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    lines = [row(header, widths), "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"]
+    lines += [row(r, widths) for r in rows]
+    return "\n".join(lines)
+
+
+def flush(servers: ServerSet) -> None:
+    for server in servers:
+        server.flushall()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--masters", default="1,3,5", help="master counts to run, e.g. 1,3,5")
+    parser.add_argument("--iterations", type=int, default=3000,
+                        help="uncontended acquire+release iterations per implementation")
+    parser.add_argument("--warmup", type=int, default=300, help="uncontended warm-up iterations")
+    parser.add_argument("--block", type=int, default=100,
+                        help="uncontended iterations per alternating block")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per contended run")
+    parser.add_argument("--processes", type=int, default=8, help="contending processes")
+    parser.add_argument("--retry-delay", type=float, default=0.0,
+                        help="contended retry: random delay in [0, this) s (0 = retry at once)")
+    parser.add_argument("--skip-contended", action="store_true")
+    parser.add_argument("--skip-uncontended", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        counts = [int(n) for n in args.masters.split(",") if n.strip()]
+    except ValueError:
+        parser.error(f"--masters: expected comma-separated integers, got {args.masters!r}")
+    if not counts or min(counts) < 1:
+        parser.error(f"--masters: every count must be >= 1, got {args.masters!r}")
+    for name in ("iterations", "warmup", "block", "processes"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.duration <= 0 or args.retry_delay < 0:
+        parser.error("--duration must be > 0 and --retry-delay >= 0")
+
+    print(f"python {sys.version.split()[0]}, redis-py {redis.__version__}, "
+          f"parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}, "
+          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start")
+    unc_rows: list[list[object]] = []
+    con_rows: list[list[object]] = []
+    with ServerSet(max(counts)) as servers:
+        print(f"masters: {servers[0].binary}")
+        for n in counts:
+            urls = servers.urls[:n]
+            if not args.skip_uncontended:
+                flush(servers)
+                lock, floor = uncontended(urls, args.iterations, args.warmup, args.block)
+                for s in (lock, floor):
+                    unc_rows.append([n, s.name, f"{s.p(0.5):.0f}", f"{s.p(0.99):.0f}",
+                                     f"{s.ops:.0f}", f"{s.p(0.5) / floor.p(0.5):.2f}x",
+                                     f"{s.ops / floor.ops:.2f}x"])
+                print(f"  N={n} uncontended: redlock p50 {lock.p(0.5):.0f} us, "
+                      f"floor p50 {floor.p(0.5):.0f} us", flush=True)
+            if not args.skip_contended:
+                runs = []
+                for kind in ("redlock", "floor"):
+                    flush(servers)
+                    runs.append(contended(kind, urls, args.processes, args.duration,
+                                          args.retry_delay))
+                floor_run = runs[1]
+                for run in runs:
+                    ratio = run.per_second / floor_run.per_second if floor_run.holds else float("nan")
+                    con_rows.append([n, run.name, f"{run.per_second:.0f}",
+                                     f"{run.attempts / run.duration:.0f}",
+                                     f"{run.holds / max(run.attempts, 1):.2f}", f"{ratio:.2f}x"])
+                print(f"  N={n} contended: redlock {runs[0].per_second:.0f}/s, "
+                      f"floor {floor_run.per_second:.0f}/s", flush=True)
+
+    if unc_rows:
+        print(f"\nUncontended acquire+release, one thread, {args.iterations} iterations each after "
+              f"{args.warmup} warm-up, in alternating blocks of {args.block}")
+        print(table(["N", "impl", "p50 us", "p99 us", "ops/s", "p50 / floor", "ops/s / floor"],
+                    unc_rows))
+    if con_rows:
+        retry = "at once" if args.retry_delay == 0 else f"after U[0, {args.retry_delay}) s"
+        print(f"\nContended: {args.processes} processes, one resource, {args.duration:g} s each, "
+              f"retry {retry}")
+        print(table(["N", "impl", "holds/s", "tries/s", "holds/try", "holds / floor"], con_rows))
+    print(f"\nload average {os.getloadavg()[0]:.2f} at end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
