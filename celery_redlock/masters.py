@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -307,7 +307,7 @@ class Round:
                 return Outcome("timeout", detail="no reply within request_timeout")
             return Outcome("ok", link.conn.read_response())
         except ResponseError as exc:
-            if str(exc).startswith("NOSCRIPT") and command[0] == "EVALSHA":
+            if isinstance(exc, NoScriptError) and command[0] == "EVALSHA":
                 return self._eval_instead(index, command, deadline)
             return Outcome("error", detail=f"ResponseError: {exc}")
         except _IO_ERRORS as exc:

@@ -167,6 +167,8 @@ class RedisServer:
                 try:
                     if client.ping():
                         return
+                except (redis.AuthenticationError, redis.ResponseError):
+                    return  # it answers; it wants credentials we were not given
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
                     time.sleep(0.01)
         finally:

@@ -1,0 +1,61 @@
+"""Core tests run against the embedded valkey-server and, where installed, this machine's
+redis-server 7: the lock must behave the same on both."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from celery_redlock import Redlock
+from celery_redlock.testing import ServerSet
+
+BINARIES = ["embedded"]
+if shutil.which("redis-server"):
+    BINARIES.append("redis-server")
+
+
+@pytest.fixture(scope="session", params=BINARIES)
+def server_set(request: pytest.FixtureRequest) -> Iterator[ServerSet]:
+    binary = None if request.param == "embedded" else shutil.which("redis-server")
+    with ServerSet(5, binary=binary) as servers:
+        yield servers
+
+
+@pytest.fixture
+def masters(server_set: ServerSet) -> ServerSet:
+    """Five running, empty masters (killed or paused ones are brought back first)."""
+    server_set.ensure_running()
+    return server_set
+
+
+@pytest.fixture
+def rl(masters: ServerSet) -> Iterator[Redlock]:
+    with Redlock(masters.urls, retry_count=0) as instance:
+        yield instance
+
+
+def keys_on(masters: ServerSet, pattern: str = "redlock:*") -> dict[str, list[bytes]]:
+    """Every key matching ``pattern`` on every running master."""
+    found: dict[str, list[bytes]] = {}
+    for server in masters:
+        if server.running and not server.paused:
+            client = server.client()
+            try:
+                found[server.address] = sorted(client.keys(pattern))
+            finally:
+                client.close()
+    return found
+
+
+def values_on(masters: ServerSet, key: str) -> dict[str, bytes | None]:
+    """The value of ``key`` on every master, by address."""
+    values: dict[str, bytes | None] = {}
+    for server in masters:
+        client = server.client()
+        try:
+            values[server.address] = client.get(key)
+        finally:
+            client.close()
+    return values

@@ -1,0 +1,153 @@
+"""Dead, paused and lagging masters cost a bounded time, never a hang, and never a wrong answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from celery_redlock import LockNotAcquired, Redlock
+from celery_redlock.testing import ServerSet
+
+from .conftest import keys_on
+
+REQUEST_TIMEOUT = 0.1
+# Generous slack for a loaded 2-core machine: these bounds catch hangs and hidden client
+# retries (seconds), not microseconds.
+SLACK = 0.5
+
+
+@pytest.fixture
+def fresh(masters: ServerSet) -> Redlock:
+    """A Redlock whose connections are all made before any fault (the usual steady state)."""
+    rl = Redlock(masters.urls, retry_count=0, request_timeout=REQUEST_TIMEOUT)
+    warm = rl.lock("warm-up", ttl=5)
+    assert warm.acquire(blocking=False)
+    warm.release()
+    return rl
+
+
+def test_minority_killed_still_acquires_within_bounds(masters: ServerSet, fresh: Redlock) -> None:
+    masters[0].kill()
+    masters[3].kill()
+    for attempt in range(5):
+        lock = fresh.lock(f"minority-{attempt}", ttl=5)
+        started = time.monotonic()
+        assert lock.acquire(blocking=False)
+        assert time.monotonic() - started < REQUEST_TIMEOUT + SLACK
+        kinds = sorted(v.kind for v in lock.last_votes)
+        assert kinds.count("yes") == 3 and kinds.count("error") == 2
+        lock.release()
+    fresh.close()
+
+
+def test_majority_killed_fails_fast_naming_the_dead(masters: ServerSet, fresh: Redlock) -> None:
+    dead = [masters[1], masters[2], masters[4]]
+    for server in dead:
+        server.kill()
+    lock = fresh.lock("majority", ttl=5)
+    started = time.monotonic()
+    with pytest.raises(LockNotAcquired) as caught, lock:
+        pass
+    assert time.monotonic() - started < REQUEST_TIMEOUT * 2 + SLACK
+    error = caught.value
+    errored = {v.master for v in error.votes if v.kind == "error"}
+    assert errored == {s.address for s in dead}
+    for server in dead:
+        assert server.address in str(error)
+    assert not any(keys_on(masters, "redlock:majority").values())
+    fresh.close()
+
+
+def test_blocking_acquire_with_majority_down_is_bounded(masters: ServerSet) -> None:
+    for i in (0, 1, 2):
+        masters[i].kill()
+    rl = Redlock(masters.urls, retry_count=3, retry_delay=0.1, request_timeout=REQUEST_TIMEOUT)
+    started = time.monotonic()
+    assert not rl.lock("down").acquire()
+    # 4 attempts, each at most one request_timeout plus a delay under retry_delay.
+    assert time.monotonic() - started < 4 * (REQUEST_TIMEOUT + 0.1) + 4 * REQUEST_TIMEOUT + SLACK
+    rl.close()
+
+
+def test_paused_master_costs_at_most_request_timeout(masters: ServerSet, fresh: Redlock) -> None:
+    masters[2].pause()
+    for attempt in range(3):
+        lock = fresh.lock(f"paused-{attempt}", ttl=5)
+        started = time.monotonic()
+        assert lock.acquire(blocking=False)
+        assert time.monotonic() - started < REQUEST_TIMEOUT + SLACK
+        assert [v.kind for v in lock.last_votes].count("yes") == 4
+        lock.release()
+    masters[2].resume()
+    fresh.close()
+
+
+def test_new_connection_to_a_paused_master_is_bounded(masters: ServerSet) -> None:
+    masters[0].pause()
+    masters[1].pause()
+    rl = Redlock(masters.urls, retry_count=0, request_timeout=REQUEST_TIMEOUT)
+    started = time.monotonic()
+    lock = rl.lock("cold", ttl=5)
+    assert lock.acquire(blocking=False)
+    # The two handshakes that cannot finish run in parallel: one timeout, not two.
+    assert time.monotonic() - started < 2 * REQUEST_TIMEOUT + SLACK
+    lock.release()
+    rl.close()
+
+
+def test_late_write_from_a_paused_master_is_retracted(masters: ServerSet, fresh: Redlock) -> None:
+    """The SET a paused master receives lands when it resumes; the retraction queued behind it
+    on the same connection deletes it, so no key of ours outlives the release."""
+    masters[4].pause()
+    lock = fresh.lock("late", ttl=30)
+    assert lock.acquire(blocking=False)
+    assert [v.kind for v in lock.last_votes][4] == "timeout"
+    lock.release()
+    masters[4].resume()
+    client = masters[4].client()
+    deadline = time.monotonic() + 5
+    # Once the server has answered a PING on a new connection after resuming, it has executed
+    # everything that was queued on the old one.
+    while time.monotonic() < deadline:
+        client.ping()
+        if client.exists("redlock:late") == 0:
+            break
+        time.sleep(0.02)
+    assert client.exists("redlock:late") == 0
+    assert not any(keys_on(masters, "redlock:late").values())
+    fresh.close()
+
+
+def test_failed_acquire_with_a_paused_master_leaves_nothing(masters: ServerSet,
+                                                           fresh: Redlock) -> None:
+    for i in (0, 1):
+        masters[i].client().set("redlock:contested", "other", px=60_000)
+    masters[2].pause()
+    lock = fresh.lock("contested", ttl=30)
+    assert not lock.acquire(blocking=False)
+    masters[2].resume()
+    client = masters[2].client()
+    client.ping()
+    deadline = time.monotonic() + 5
+    while client.exists("redlock:contested") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    values = [s.client().get("redlock:contested") for s in masters]
+    assert values == [b"other", b"other", None, None, None]
+    fresh.close()
+
+
+def test_restarted_master_rejoins(masters: ServerSet, fresh: Redlock) -> None:
+    masters[1].kill()
+    masters[1].start()
+    deadline = time.monotonic() + 5
+    while True:  # the first round may still meet the dead connection; a later one reconnects
+        lock = fresh.lock("rejoin", ttl=5)
+        assert lock.acquire(blocking=False)
+        yes = [v.kind for v in lock.last_votes].count("yes")
+        lock.release()
+        if yes == 5:
+            break
+        assert time.monotonic() < deadline, lock.last_votes
+        time.sleep(0.05)
+    fresh.close()

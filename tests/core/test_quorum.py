@@ -1,0 +1,185 @@
+"""The quorum rule, vote accounting and ownership semantics on real masters."""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+
+import pytest
+
+from celery_redlock import LockLost, LockNotAcquired, Redlock
+from celery_redlock.testing import ServerSet
+
+from .conftest import keys_on, values_on
+
+SUBSETS = [c for r in range(6) for c in itertools.combinations(range(5), r)]
+
+
+def test_there_are_32_subsets() -> None:
+    assert len(SUBSETS) == 32
+
+
+def test_acquire_succeeds_iff_a_quorum_is_free(masters: ServerSet, rl: Redlock) -> None:
+    for taken in SUBSETS:
+        for server in masters:
+            server.flushall()
+        for i in taken:
+            client = masters[i].client()
+            client.set("redlock:res", "someone-else", px=60_000)
+            client.close()
+        lock = rl.lock("res", ttl=10)
+        got = lock.acquire(blocking=False)
+        free = 5 - len(taken)
+        assert got == (free >= 3), f"occupied {taken}: acquire returned {got}"
+        values = values_on(masters, "redlock:res")
+        if got:
+            ours = [v for v in values.values() if v == lock.token.encode()]
+            assert len(ours) == free
+            lock.release()
+            values = values_on(masters, "redlock:res")
+        # Only the other token's keys remain: nothing of ours, after a failure or a release.
+        assert sorted(a for a, v in values.items() if v is not None) == sorted(
+            masters[i].address for i in taken
+        ), f"occupied {taken}: keys left {values}"
+        assert all(v in (None, b"someone-else") for v in values.values())
+        if not got:
+            assert lock.last_error is not None
+            held = [v for v in lock.last_error.votes if v.kind == "held"]
+            assert len(held) == len(taken)
+
+
+def test_failed_vote_account_names_every_master(masters: ServerSet, rl: Redlock) -> None:
+    first = rl.lock("acct", ttl=10)
+    assert first.acquire(blocking=False)
+    second = rl.lock("acct", ttl=10)
+    assert not second.acquire(blocking=False)
+    error = second.last_error
+    assert isinstance(error, LockNotAcquired)
+    assert {v.master for v in error.votes} == {s.address for s in masters}
+    assert all(v.kind == "held" for v in error.votes)
+    assert error.quorum == 3 and error.held_by_other
+    for server in masters:
+        assert server.address in str(error)
+    with pytest.raises(LockNotAcquired), rl.lock("acct", ttl=10, blocking=False):
+        pass
+    first.release()
+
+
+def test_errors_survive_pickling_with_their_votes(rl: Redlock) -> None:
+    first = rl.lock("pickle", ttl=10)
+    assert first.acquire(blocking=False)
+    second = rl.lock("pickle", ttl=10)
+    assert not second.acquire(blocking=False)
+    original = second.last_error
+    assert original is not None
+    copy = pickle.loads(pickle.dumps(original))
+    assert type(copy) is LockNotAcquired
+    assert copy.votes == original.votes and str(copy) == str(original)
+    lost = pickle.loads(pickle.dumps(LockLost("pickle", "expired")))
+    assert type(lost) is LockLost and lost.resource == "pickle" and lost.reason == "expired"
+    first.release()
+
+
+def test_owned_validity_token_and_locked(rl: Redlock) -> None:
+    lock = rl.lock("state", ttl=5)
+    assert not lock.owned() and lock.validity == 0.0 and lock.token is None
+    assert not lock.locked()
+    assert lock.acquire(blocking=False)
+    assert lock.owned() and 4.8 < lock.validity <= 5.0
+    assert lock.token is not None and len(lock.token) == 40
+    assert lock.locked() and rl.lock("state").locked()
+    lock.release()
+    assert not lock.owned() and lock.token is None and not lock.locked()
+    lock.release()  # a second release does nothing
+
+
+def test_tokens_are_unique_per_acquisition(rl: Redlock) -> None:
+    lock = rl.lock("tokens", ttl=5)
+    seen = set()
+    for _ in range(20):
+        assert lock.acquire(blocking=False)
+        seen.add(lock.token)
+        lock.release()
+    assert len(seen) == 20
+
+
+def test_extend_replaces_the_ttl_on_a_quorum(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("ext", ttl=1)
+    assert lock.acquire(blocking=False)
+    assert lock.extend(ttl=20)
+    assert lock.validity > 19
+    for server in masters:
+        pttl = server.client().pttl("redlock:ext")
+        assert 19_000 < pttl <= 20_000
+    assert lock.extend(ttl=2)  # replaces, never adds
+    assert all(s.client().pttl("redlock:ext") <= 2000 for s in masters)
+    lock.release()
+
+
+def test_extend_after_expiry_fails_and_creates_nothing(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("expired", ttl=0.2)
+    assert lock.acquire(blocking=False)
+    deadline = time.monotonic() + 5
+    while any(keys_on(masters, "redlock:expired").values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert not lock.extend(ttl=10)
+    assert not any(keys_on(masters, "redlock:expired").values())
+    with pytest.raises(LockLost):
+        lock.ensure()
+
+
+def test_extend_of_a_lock_retaken_by_another_fails(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("retaken", ttl=5)
+    assert lock.acquire(blocking=False)
+    for server in masters:  # the lock expired everywhere and someone else took it
+        server.client().set("redlock:retaken", "other", px=60_000)
+    assert not lock.extend()
+    assert lock.lost_reason
+    assert not lock.owned()
+    assert all(s.client().get("redlock:retaken") == b"other" for s in masters)
+    lock.release()
+    assert all(s.client().get("redlock:retaken") == b"other" for s in masters)
+
+
+def test_release_never_deletes_another_tokens_key(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("mine", ttl=5)
+    assert lock.acquire(blocking=False)
+    masters[0].client().set("redlock:mine", "other", px=60_000)
+    lock.release()
+    assert masters[0].client().get("redlock:mine") == b"other"
+    assert not any(keys_on(masters, "redlock:mine").get(s.address) for s in list(masters)[1:])
+
+
+def test_script_cache_flush_falls_back_to_eval(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("noscript", ttl=5)
+    assert lock.acquire(blocking=False)
+    lock.release()
+    for server in masters:
+        server.client().script_flush()
+    assert lock.acquire(blocking=False)
+    assert lock.extend()
+    lock.release()
+    assert not any(keys_on(masters).values())
+
+
+def test_blocking_acquire_waits_for_the_release(masters: ServerSet, rl: Redlock) -> None:
+    holder = rl.lock("wait", ttl=0.5)
+    assert holder.acquire(blocking=False)
+    waiter = Redlock(masters.urls, retry_delay=0.05)
+    try:
+        started = time.monotonic()
+        assert waiter.lock("wait", ttl=5).acquire(timeout=5)
+        assert time.monotonic() - started >= 0.3  # it had to wait for the expiry
+    finally:
+        waiter.close()
+
+
+def test_timeout_bounds_a_blocking_acquire(rl: Redlock) -> None:
+    holder = rl.lock("bounded", ttl=30)
+    assert holder.acquire(blocking=False)
+    started = time.monotonic()
+    assert not rl.lock("bounded").acquire(timeout=0.5)
+    assert 0.4 < time.monotonic() - started < 2.0
+    holder.release()
