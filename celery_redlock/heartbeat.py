@@ -42,6 +42,7 @@ class _Entry:
     hold_until: float | None
     token: str | None
     done: bool = False
+    capped: bool = False
 
 
 @dataclass(order=True)
@@ -143,8 +144,10 @@ class Heartbeat:
         now = time.monotonic()
         if entry.hold_until is not None and now >= entry.hold_until:
             if lock.owned():
-                logger.warning("lock %s reached its max hold; no longer extended, it expires "
-                               "in %.1f s", lock.name, lock.validity)
+                if not entry.capped:
+                    entry.capped = True
+                    logger.warning("lock %s reached its max hold; no longer extended, it "
+                                   "expires in %.1f s", lock.name, lock.validity)
                 self._reschedule(entry, now + lock.validity)
             else:
                 self._lost(lock, entry, "max hold reached; the lock was left to expire")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import redis
 
 from celery_redlock import ConfigError, Redlock, RedlockWarning
 from celery_redlock.redlock import MAX_NAME_LENGTH
-from celery_redlock.testing import RedisServer, ServerSet
+from celery_redlock.testing import RedisServer, ServerSet, free_port
 
 
 @pytest.mark.parametrize(
@@ -153,3 +156,40 @@ def test_raw_redis_errors_never_escape(redlock_masters: ServerSet) -> None:
         except redis.RedisError as exc:  # pragma: no cover - the failure this test guards
             pytest.fail(f"raw redis error escaped: {exc!r}")
     assert client.type("redlock:wrongtype") == b"list"
+
+
+def _make_certificates(folder: Path) -> None:
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+            "-days", "2", "-subj", "/CN=celery-redlock test CA")
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+            "-subj", "/CN=127.0.0.1")
+    (folder / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext")
+
+
+@pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("openssl")),
+                    reason="needs this machine's redis-server (built with TLS) and openssl; "
+                           "the embedded valkey-server has no TLS")
+def test_tls_master(tmp_path: Path) -> None:
+    _make_certificates(tmp_path)
+    tls_port = free_port()
+    server = RedisServer(binary=shutil.which("redis-server"), extra_args=[
+        "--tls-port", str(tls_port), "--tls-cert-file", str(tmp_path / "server.crt"),
+        "--tls-key-file", str(tmp_path / "server.key"),
+        "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no",
+    ])
+    with server:
+        trusted = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
+        with Redlock([trusted]) as rl:
+            lock = rl.lock("tls", ttl=5)
+            assert lock.acquire(blocking=False), lock.last_error
+            assert server.client().get("redlock:tls") == lock.token.encode()  # type: ignore[union-attr]
+            lock.release()
+        with Redlock([f"rediss://127.0.0.1:{tls_port}/0"]) as untrusted:
+            lock = untrusted.lock("tls", ttl=5)
+            assert not lock.acquire(blocking=False)
+            assert "CERTIFICATE_VERIFY_FAILED" in lock.last_error.votes[0].detail  # type: ignore[union-attr]

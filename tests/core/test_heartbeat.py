@@ -1,0 +1,127 @@
+"""The heartbeat keeps locks alive for many TTLs and reports the ones it loses."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from celery_redlock import Lock, Redlock
+from celery_redlock.heartbeat import Heartbeat, process_heartbeat
+from celery_redlock.testing import ServerSet
+
+
+@pytest.fixture
+def heartbeat() -> Heartbeat:
+    beat = Heartbeat(name="test-heartbeat")
+    yield beat  # type: ignore[misc]
+    beat.stop()
+
+
+def wait_for(predicate: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.01)
+    return bool(predicate())  # type: ignore[operator]
+
+
+def test_keeps_a_lock_for_many_ttls(rl: Redlock, heartbeat: Heartbeat) -> None:
+    lock = rl.lock("kept", ttl=0.3)
+    assert lock.acquire(blocking=False)
+    heartbeat.keep(lock)
+    started = time.monotonic()
+    contender = rl.lock("kept", ttl=0.3)
+    while time.monotonic() - started < 1.5:  # five TTLs
+        assert lock.owned()
+        assert not contender.acquire(blocking=False)
+        time.sleep(0.05)
+    heartbeat.forget(lock)
+    lock.release()
+    assert contender.acquire(blocking=False)
+    contender.release()
+
+
+def test_reports_a_lost_lock_once(masters: ServerSet, rl: Redlock, heartbeat: Heartbeat) -> None:
+    lock = rl.lock("lost", ttl=0.6)
+    assert lock.acquire(blocking=False)
+    reasons: list[str] = []
+    lost = threading.Event()
+
+    def on_lost(which: Lock, reason: str) -> None:
+        assert which is lock
+        reasons.append(reason)
+        lost.set()
+
+    heartbeat.keep(lock, on_lost=on_lost)
+    for server in masters:
+        server.flushall()
+    assert lost.wait(2.0)
+    assert not lock.owned() and "no longer hold" in reasons[0]
+    time.sleep(0.3)
+    assert len(reasons) == 1 and lock not in heartbeat.kept()
+
+
+def test_a_passing_fault_does_not_cost_the_lock(masters: ServerSet, rl: Redlock,
+                                                heartbeat: Heartbeat) -> None:
+    lock = rl.lock("blip", ttl=1.5)
+    assert lock.acquire(blocking=False)
+    lost = threading.Event()
+    heartbeat.keep(lock, interval=0.2, on_lost=lambda _l, _r: lost.set())
+    for i in (0, 1, 2):
+        masters[i].pause()
+    time.sleep(0.5)  # extensions fail meanwhile, but the validity has not run out
+    for i in (0, 1, 2):
+        masters[i].resume()
+    assert wait_for(lambda: lock.validity > 1.2, 3.0)
+    assert not lost.is_set() and lock.owned()
+    heartbeat.forget(lock)
+    lock.release()
+
+
+def test_max_hold_stops_extending(rl: Redlock, heartbeat: Heartbeat) -> None:
+    lock = rl.lock("capped", ttl=0.3)
+    assert lock.acquire(blocking=False)
+    lost = threading.Event()
+    reasons: list[str] = []
+    heartbeat.keep(lock, max_hold=0.5,
+                   on_lost=lambda _l, reason: (reasons.append(reason), lost.set()))
+    assert lost.wait(3.0)
+    assert "max hold" in reasons[0]
+    assert not lock.owned()
+    # Our validity ends a drift margin before the masters expire the key: poll for it.
+    assert rl.lock("capped", ttl=5).acquire(timeout=1.0)
+
+
+def test_released_locks_are_dropped_silently(rl: Redlock, heartbeat: Heartbeat) -> None:
+    lock = rl.lock("dropped", ttl=0.3)
+    assert lock.acquire(blocking=False)
+    lost = threading.Event()
+    heartbeat.keep(lock, on_lost=lambda _l, _r: lost.set())
+    lock.release()  # released without forget(): the heartbeat notices the token is gone
+    assert wait_for(lambda: lock not in heartbeat.kept(), 2.0)
+    assert not lost.is_set()
+
+
+def test_keep_refuses_a_lock_not_held(rl: Redlock, heartbeat: Heartbeat) -> None:
+    with pytest.raises(ValueError, match="not held"):
+        heartbeat.keep(rl.lock("never"))
+
+
+def test_a_forked_child_gets_its_own_heartbeat() -> None:
+    parent = process_heartbeat()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(read)
+        child = process_heartbeat()
+        os.write(write, b"1" if child is not parent else b"0")
+        os._exit(0)
+    os.close(write)
+    answer = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert answer == b"1"
