@@ -1,0 +1,107 @@
+"""Acquisition slower than the TTL (a majority of masters delayed by a loopback TCP proxy the
+tests own) is reported as a failure and leaves no keys.
+
+The request timeout is far above the added latency, so every master's reply *does* arrive and
+every master grants: what fails the attempt is only that the round took longer than the TTL, so
+no validity is left (step 3 of the algorithm). The attempt must then release on every master.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from celery_redlock import Redlock
+from celery_redlock.testing import ProxySet, ServerSet
+
+TTL = 0.25
+REPLY_DELAY = 0.35  # > TTL, << REQUEST_TIMEOUT
+REQUEST_TIMEOUT = 2.0
+KEY_PREFIX = "slowtest:"
+
+
+@pytest.fixture
+def proxies(redlock_masters: ServerSet) -> Iterator[ProxySet]:
+    with ProxySet(server.address for server in redlock_masters) as proxy_set:
+        yield proxy_set
+
+
+def script_calls(server_set: ServerSet) -> list[int]:
+    """How many script calls (EVALSHA or EVAL) each master has executed since its stats reset."""
+    counts = []
+    for server in server_set:
+        client = server.client()
+        try:
+            stats = client.info("commandstats")
+        finally:
+            client.close()
+        counts.append(sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+                          for name in ("evalsha", "eval")))
+    return counts
+
+
+def keys_left(server_set: ServerSet) -> dict[str, list[bytes]]:
+    left = {}
+    for server in server_set:
+        client = server.client()
+        try:
+            keys = list(client.scan_iter(match=KEY_PREFIX + "*"))
+        finally:
+            client.close()
+        if keys:
+            left[server.address] = keys
+    return left
+
+
+@pytest.mark.timeout(30)
+def test_acquisition_slower_than_ttl_fails_and_leaves_no_keys(
+    redlock_masters: ServerSet, proxies: ProxySet
+) -> None:
+    with Redlock(proxies.urls, ttl=TTL, request_timeout=REQUEST_TIMEOUT, retry_count=0,
+                 key_prefix=KEY_PREFIX) as redlock:
+        # Control: through the same proxies with no delay, the same lock is granted.
+        control = redlock.lock("invoice:slow")
+        assert control.acquire(blocking=False), control.last_error
+        control.release()
+
+        for server in redlock_masters:
+            client = server.client()
+            try:
+                client.config_resetstat()
+            finally:
+                client.close()
+        for proxy in proxies[:3]:  # a majority: no quorum can be formed of fast masters alone
+            proxy.delay(REPLY_DELAY, "down")
+
+        lock = redlock.lock("invoice:slow")
+        started = time.monotonic()
+        acquired = lock.acquire(blocking=False)
+        took = time.monotonic() - started
+
+        assert not acquired
+        assert not lock.owned()
+        error = lock.last_error
+        assert error is not None
+        # Every master granted, and in time for the request timeout: only the TTL was overrun.
+        assert [vote.kind for vote in error.votes] == ["yes"] * 5, str(error)
+        assert error.elapsed > TTL
+        assert error.validity <= 0
+        assert REPLY_DELAY <= took < REQUEST_TIMEOUT
+
+        # Wait for the proxies to deliver everything still held back, then nothing of ours may
+        # remain on any master; and every master must have run the acquire *and* the release.
+        deadline = time.monotonic() + 5.0
+        while proxies.pending() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proxies.pending() == 0, "the proxies still hold bytes after 5 s"
+        assert keys_left(redlock_masters) == {}
+        calls: list[int] = []
+        while time.monotonic() < deadline:
+            calls = script_calls(redlock_masters)
+            if all(count >= 2 for count in calls):
+                break
+            time.sleep(0.01)
+        assert calls == [2] * 5, f"script calls per master (acquire + release expected): {calls}"
+        assert keys_left(redlock_masters) == {}
