@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
 from .redlock import Lock, Redlock, RedlockWarning
+from .task import RedlockTask, RedlockTaskMixin
 
 __version__ = "0.1.0"
 
@@ -14,6 +15,8 @@ __all__ = [
     "LockNotAcquired",
     "Redlock",
     "RedlockError",
+    "RedlockTask",
+    "RedlockTaskMixin",
     "RedlockWarning",
     "Vote",
     "__version__",

@@ -1,0 +1,105 @@
+"""Real workers for the Celery tests: a broker server of its own, five lock masters, and worker
+processes shared per session (one pair of prefork workers, one threads worker), each consuming
+a queue of its own so a test picks the pool by the queue it sends to."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RUN = uuid.uuid4().hex[:8]
+
+
+@pytest.fixture(scope="session")
+def broker() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def lockapp(broker: RedisServer, _redlock_server_set: ServerSet) -> Any:
+    """The test process's side of ``lockapp``, configured like the workers."""
+    env = app_env(broker.url, broker.url, _redlock_server_set.urls)
+    os.environ.update(env)
+    import lockapp as module
+
+    module.app.conf.update(broker_url=broker.url, result_backend=broker.url,
+                           redlock_masters=_redlock_server_set.urls)
+    module.BACKEND = broker.url
+    return module
+
+
+def app_env(broker_url: str, backend_url: str, masters: list[str], queue: str = "lockapp") -> dict[str, str]:
+    return {"LOCKAPP_BROKER": broker_url, "LOCKAPP_BACKEND": backend_url,
+            "LOCKAPP_MASTERS": ",".join(masters), "LOCKAPP_QUEUE": queue}
+
+
+def start_worker(env: dict[str, str], *, pool: str, concurrency: int, queue: str) -> CeleryWorker:
+    return CeleryWorker("lockapp", pool=pool, concurrency=concurrency, queues=[queue],
+                        env=env, pythonpath=[str(HERE), str(ROOT)]).start()
+
+
+POOLS = {"prefork": (2, 2), "threads": (1, 4)}  # pool -> (workers, concurrency each)
+
+
+@pytest.fixture(scope="session")
+def worker_pools(lockapp: Any, broker: RedisServer, _redlock_server_set: ServerSet
+                 ) -> Iterator[dict[str, tuple[str, list[CeleryWorker]]]]:
+    """pool name -> (its queue, its running workers); started once per session."""
+    started: dict[str, tuple[str, list[CeleryWorker]]] = {}
+    try:
+        for pool, (count, concurrency) in POOLS.items():
+            queue = f"q-{pool}-{RUN}"
+            env = app_env(broker.url, broker.url, _redlock_server_set.urls, queue)
+            workers = [start_worker(env, pool=pool, concurrency=concurrency, queue=queue)
+                       for _ in range(count)]
+            started[pool] = (queue, workers)
+        yield started
+    finally:
+        for _, workers in started.values():
+            for worker in workers:
+                worker.stop()
+
+
+@pytest.fixture(params=sorted(POOLS))
+def pool(request: pytest.FixtureRequest, worker_pools: dict[str, tuple[str, list[CeleryWorker]]],
+         redlock_masters: ServerSet) -> tuple[str, str, list[CeleryWorker]]:
+    """(pool name, queue, workers), with the masters reset for the test."""
+    queue, workers = worker_pools[request.param]
+    for worker in workers:
+        assert worker.running, f"{worker!r} died; log tail:\n{worker.log_tail()}"
+    return request.param, queue, workers
+
+
+@pytest.fixture
+def tag() -> str:
+    """A name unique to this test, for keys and record lists: stale messages cannot interfere."""
+    return uuid.uuid4().hex[:10]
+
+
+def records(lockapp: Any, name: str) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in lockapp.store().lrange(name, 0, -1)]
+
+
+def overlaps(intervals: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Pairs of intervals of one key that overlap in time."""
+    found = []
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for item in intervals:
+        by_key.setdefault(item["key"], []).append(item)
+    for items in by_key.values():
+        items.sort(key=lambda i: i["start"])
+        for before, after in zip(items, items[1:]):
+            if after["start"] < before["end"]:
+                found.append((before, after))
+    return found

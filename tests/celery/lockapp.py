@@ -1,0 +1,157 @@
+"""The Celery app the tests' real workers run (``celery -A lockapp worker``).
+
+Configured from the environment, so the worker subprocesses and the test process build the same
+app: ``LOCKAPP_BROKER`` (broker URL), ``LOCKAPP_BACKEND`` (result backend and the records store,
+a Redis URL), ``LOCKAPP_MASTERS`` (comma-separated lock master URLs, may be empty).
+
+Every task records what it saw as JSON on a Redis list named by its ``record`` argument, with
+``CLOCK_MONOTONIC`` times, which are system-wide on Linux and so comparable across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redlock import LockLost, RedlockTask
+from celery_redlock import signals as lock_signals
+
+BROKER = os.environ.get("LOCKAPP_BROKER", "redis://127.0.0.1:1/0")
+BACKEND = os.environ.get("LOCKAPP_BACKEND", "redis://127.0.0.1:1/0")
+
+app = Celery("lockapp", broker=BROKER, backend=BACKEND)
+app.conf.update(
+    redlock_masters=os.environ.get("LOCKAPP_MASTERS") or None,
+    redlock_ttl=5.0,
+    redlock_retry_backoff=0.05,
+    redlock_retry_backoff_max=0.3,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+    task_default_queue=os.environ.get("LOCKAPP_QUEUE", "lockapp"),
+)
+
+_store: redis.Redis | None = None
+_store_pid = 0
+
+
+def store() -> redis.Redis:
+    """A client for the records store, one per process."""
+    global _store, _store_pid
+    if _store is None or _store_pid != os.getpid():
+        _store = redis.Redis.from_url(BACKEND, socket_timeout=5)
+        _store_pid = os.getpid()
+    return _store
+
+
+def now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+def record(name: str, **fields: Any) -> None:
+    fields.setdefault("at", now())
+    fields.setdefault("pid", os.getpid())
+    store().rpush(name, json.dumps(fields))
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", name="lockapp.hold")
+def hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
+    """Hold ``key`` for ``seconds``; record the interval."""
+    start = now()
+    record(record_to, event="start", key=key, task_id=self.request.id, start=start)
+    time.sleep(seconds)
+    assert self.redlock is not None
+    owned = self.redlock.owned()
+    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now(),
+           owned=owned, retries=self.request.retries)
+    return key
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_contended="skip",
+          name="lockapp.hold_or_skip")
+def hold_or_skip(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
+    start = now()
+    time.sleep(seconds)
+    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now())
+    return key
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=0.6, name="lockapp.long_hold")
+def long_hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> dict[str, Any]:
+    """Run many times the TTL, checking the lock is owned throughout."""
+    start = now()
+    record(record_to, event="start", key=key, task_id=self.request.id, start=start)
+    lowest = None
+    deadline = start + seconds
+    while now() < deadline:
+        assert self.redlock is not None
+        self.redlock.ensure()
+        validity = self.redlock.validity
+        lowest = validity if lowest is None else min(lowest, validity)
+        time.sleep(0.05)
+    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now(),
+           lowest_validity=lowest)
+    return {"lowest_validity": lowest}
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=1.0, name="lockapp.until_lost")
+def until_lost(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
+    """Poll ``self.redlock`` until the lock is lost (or ``seconds`` pass); record what was seen."""
+    record(record_to, event="start", key=key, task_id=self.request.id, token=self.redlock.token
+           if self.redlock else None)
+    deadline = now() + seconds
+    lock = self.redlock
+    assert lock is not None
+    while now() < deadline and lock.owned():
+        time.sleep(0.02)
+    try:
+        lock.ensure()
+        seen = ""
+    except LockLost as exc:
+        seen = str(exc)
+    record(record_to, event="seen", key=key, task_id=self.request.id, lost=seen,
+           reason=lock.lost_reason)
+    return seen
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_max_retries=5,
+          lock_retry_backoff=0.05, lock_retry_backoff_max=0.2, name="lockapp.bounded")
+def bounded(self: RedlockTask, key: str, record_to: str) -> str:
+    record(record_to, event="ran", key=key, task_id=self.request.id)
+    return key
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_contended="fail", max_retries=1,
+          name="lockapp.own_retry")
+def own_retry(self: RedlockTask, key: str, record_to: str) -> int:
+    """Uses the task's own retry budget once; the lock must be free again for the retried run."""
+    record(record_to, event="run", key=key, task_id=self.request.id, retries=self.request.retries)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return int(self.request.retries)
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="slot:<key>", lock_slot=60.0,
+          lock_release="on_expiry", lock_contended="skip", lock_ttl=20.0, name="lockapp.per_slot")
+def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
+    """Once per 60 s slot: the lock outlives the run, so a late duplicate of the slot is skipped."""
+    assert self.redlock is not None
+    record(record_to, event="ran", key=key, task_id=self.request.id, name=self.redlock.name)
+    return self.redlock.name
+
+
+@lock_signals.lock_contended.connect
+def _on_contended(sender: Any = None, key: str = "", policy: str = "", attempt: int = 0,
+                  countdown: float = 0.0, **_: Any) -> None:
+    record("signals:contended", key=key, policy=policy, attempt=attempt, countdown=countdown)
+
+
+@lock_signals.lock_lost.connect
+def _on_lost(sender: Any = None, key: str = "", task_id: str = "", reason: str = "",
+             **_: Any) -> None:
+    record("signals:lost", key=key, task_id=task_id, reason=reason)

@@ -1,0 +1,146 @@
+"""RedlockTask on real workers (prefork 2x2 and threads), a real broker and five real masters."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from conftest import overlaps, records
+
+from celery_redlock import Redlock
+from celery_redlock.testing import CeleryWorker, ServerSet
+
+Pool = tuple[str, str, list[CeleryWorker]]
+
+
+def wait_for(predicate: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_duplicates_never_overlap_and_all_run(lockapp: Any, pool: Pool, tag: str) -> None:
+    _, queue, _ = pool
+    dup, distinct = f"{tag}-dup", [f"{tag}-d{i}" for i in range(3)]
+    results = [lockapp.hold.apply_async((dup, 0.25, tag), queue=queue) for _ in range(6)]
+    results += [lockapp.hold.apply_async((key, 0.6, tag), queue=queue) for key in distinct]
+    for result in results:
+        result.get(timeout=45)
+    intervals = [r for r in records(lockapp, tag) if r["event"] == "interval"]
+    assert sorted(r["key"] for r in intervals) == sorted([dup] * 6 + distinct)
+    assert overlaps(intervals) == []
+    assert all(r["owned"] for r in intervals)
+    # Distinct keys do not wait for each other: at least two of them ran at the same time.
+    spans = sorted((r["start"], r["end"]) for r in intervals if r["key"] in distinct)
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
+    # The duplicates waited by lock retries, never by the task's own retries.
+    assert all(r["retries"] == 0 for r in intervals)
+
+
+@pytest.mark.timeout(60)
+def test_skipped_duplicates_are_recorded(lockapp: Any, pool: Pool, tag: str) -> None:
+    _, queue, _ = pool
+    results = [lockapp.hold_or_skip.apply_async((tag, 1.0, tag), queue=queue) for _ in range(4)]
+    ran = wait_for(lambda: [r for r in results if r.state in ("SUCCESS", "IGNORED")]
+                   if all(r.state in ("SUCCESS", "IGNORED") for r in results) else None,
+                   30, "every duplicate to run or be skipped")
+    states = [r.state for r in ran]
+    skipped = [r for r in ran if r.state == "IGNORED"]
+    assert states.count("SUCCESS") >= 1 and skipped, states
+    intervals = records(lockapp, tag)
+    assert len(intervals) == states.count("SUCCESS")
+    assert overlaps(intervals) == []
+    for result in skipped:
+        assert result.info["skipped"] == "lock contended"
+        assert result.info["key"] == f"res:{tag}"
+    signalled = [r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]
+    assert sum(1 for r in signalled if r["policy"] == "skip") == len(skipped)
+
+
+@pytest.mark.timeout(60)
+def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str,
+                                  redlock_master_urls: list[str]) -> None:
+    _, queue, _ = pool
+    result = lockapp.long_hold.apply_async((tag, 3.0, tag), queue=queue)  # 5x its 0.6 s TTL
+    wait_for(lambda: records(lockapp, tag), 20, "the long task to start")
+    with Redlock(redlock_master_urls) as contender:
+        attempts = 0
+        while not result.ready():
+            lock = contender.lock(f"res:{tag}", ttl=5)
+            assert not lock.acquire(blocking=False), "a contender got in while the task ran"
+            attempts += 1
+            time.sleep(0.1)
+    outcome = result.get(timeout=5)
+    assert attempts >= 10
+    assert outcome["lowest_validity"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_lock_lost_is_seen_by_the_body_and_the_signal(lockapp: Any, pool: Pool, tag: str,
+                                                     redlock_masters: ServerSet) -> None:
+    _, queue, _ = pool
+    result = lockapp.until_lost.apply_async((tag, 10.0, tag), queue=queue)
+    wait_for(lambda: records(lockapp, tag), 20, "the task to start")
+    for server in redlock_masters:
+        server.flushall()
+    seen = result.get(timeout=10)
+    assert "lost" in seen
+    body = [r for r in records(lockapp, tag) if r["event"] == "seen"]
+    assert body and "no longer hold this token" in body[0]["reason"]
+    lost = wait_for(lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
+                    5, "the lock_lost signal")
+    assert lost[0]["task_id"] == result.id
+
+
+@pytest.mark.timeout(60)
+def test_lock_retries_are_spread_bounded_and_then_fail(lockapp: Any, pool: Pool, tag: str,
+                                                       redlock_master_urls: list[str]) -> None:
+    from celery_redlock import LockNotAcquired
+
+    _, queue, _ = pool
+    with Redlock(redlock_master_urls) as holder, holder.lock(f"res:{tag}", ttl=30):
+        result = lockapp.bounded.apply_async((tag, tag), queue=queue)
+        with pytest.raises(LockNotAcquired) as caught:
+            result.get(timeout=30)
+    # The JSON result backend rebuilds the exception from its message: check the account there.
+    assert "not acquired after 6 attempt(s)" in str(caught.value)
+    assert str(caught.value).count(": held") == 5, str(caught.value)
+    signalled = [r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]
+    retries = [r for r in signalled if r["policy"] == "retry"]
+    assert [r["attempt"] for r in retries] == [0, 1, 2, 3, 4]
+    assert [r["policy"] for r in signalled][-1] == "exhausted"
+    countdowns = [r["countdown"] for r in retries]
+    # Full jitter: uniform in [0, min(0.2, 0.05 * 2**attempt)].
+    for r in retries:
+        assert 0.0 <= r["countdown"] <= min(0.2, 0.05 * 2 ** r["attempt"])
+    assert len(set(countdowns)) > 1, countdowns
+    assert records(lockapp, tag) == []
+
+
+@pytest.mark.timeout(60)
+def test_lock_retries_leave_the_tasks_own_retry_budget(lockapp: Any, pool: Pool, tag: str,
+                                                       redlock_master_urls: list[str]) -> None:
+    _, queue, _ = pool
+    with Redlock(redlock_master_urls) as holder:
+        lock = holder.lock(f"res:{tag}", ttl=30)
+        assert lock.acquire(blocking=False)
+        # own_retry fails at once on contention; hold() retries: use hold() to burn lock retries.
+        result = lockapp.hold.apply_async((tag, 0.0, tag), queue=queue)
+        wait_for(lambda: len([r for r in records(lockapp, "signals:contended")
+                              if r["key"] == f"res:{tag}"]) >= 3, 20, "three lock retries")
+        lock.release()
+    result.get(timeout=20)
+    ran = [r for r in records(lockapp, tag) if r["event"] == "interval"]
+    assert [r["retries"] for r in ran] == [0]
+    # A task that spends its single own retry: the retried run must find the lock released.
+    retried = lockapp.own_retry.apply_async((f"{tag}-own", f"{tag}-own"), queue=queue)
+    assert retried.get(timeout=20) == 1
+    assert [r["retries"] for r in records(lockapp, f"{tag}-own")] == [0, 1]
