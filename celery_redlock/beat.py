@@ -20,6 +20,10 @@ Why each part is the way it is:
   old leader already sent. The standby ticks every ``redlock_beat_standby_interval`` seconds and
   tries to take the lock each time: after the leader dies, a standby dispatches within the lock's
   TTL plus one standby tick.
+- Interval schedules (``schedule(T)``, ``"schedule": 30.0``) fire at multiples of ``T`` since
+  the epoch rather than ``T`` after the process started (``redlock_beat_align_intervals``): every
+  beat, and so every successive leader, then agrees on when a slot is, and the slot a message
+  belongs to (:mod:`celery_redlock.slots`) is the one it was sent for.
 - Slots are decided by each host's wall clock. A leader that shuts down cuts its lock to
   ``redlock_beat_min_validity`` rather than deleting it, and never sends with less than that
   left, so hosts whose clocks disagree by less than ``redlock_beat_min_validity`` never send
@@ -35,8 +39,10 @@ the heartbeat thread (when an extension finds the lock gone); keep its receivers
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -47,6 +53,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.beat import Scheduler
+from celery.schedules import schedstate, schedule
 from celery.utils.dispatch import Signal
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
@@ -117,6 +124,7 @@ class BeatSettings:
     min_validity: float
     standby_interval: float
     scheduler: type
+    align_intervals: bool
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any], app_name: str | None = None) -> BeatSettings:
@@ -142,7 +150,10 @@ class BeatSettings:
                 f"redlock_beat_lock_ttl ({ttl!r} s): failover takes the TTL plus one standby tick"
             )
         scheduler = _scheduler_class(conf.get("redlock_beat_scheduler") or DEFAULT_SCHEDULER)
-        return cls(lock_name, ttl, min_validity, standby, scheduler)
+        align = conf.get("redlock_beat_align_intervals", True)
+        if not isinstance(align, bool):
+            raise ConfigError(f"redlock_beat_align_intervals must be True or False, got {align!r}")
+        return cls(lock_name, ttl, min_validity, standby, scheduler, align)
 
 
 def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
@@ -204,6 +215,22 @@ class LeaderLock(Lock):
         if written < len(self.redlock.masters):
             logger.debug("leader record %s written to %d of %d masters", self.record_key, written,
                          len(self.redlock.masters))
+
+
+# -- epoch-aligned intervals ---------------------------------------------------------------------
+def _alignable(spec: object) -> bool:
+    # Only celery's own interval schedule: a subclass with its own is_due keeps its own rule.
+    return (isinstance(spec, schedule) and type(spec).is_due is schedule.is_due
+            and not spec.relative and spec.seconds > 0)
+
+
+def aligned_is_due(spec: Any, last_run_at: Any) -> Any:
+    """``schedule.is_due`` with the ticks at multiples of the period since the epoch."""
+    period = float(spec.seconds)
+    now = spec.now().timestamp()
+    last = spec.maybe_make_aware(last_run_at).timestamp()
+    remaining = (math.floor(now / period) + 1) * period - now
+    return schedstate(math.floor(now / period) > math.floor(last / period), remaining)
 
 
 # -- the scheduler --------------------------------------------------------------------------------
@@ -281,6 +308,24 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         if self._try_lead():
             return 0.0
         return min(delay, self.settings.standby_interval)
+
+    def is_due(self, entry: Any) -> Any:
+        if self.settings.align_intervals and _alignable(entry.schedule):
+            return aligned_is_due(entry.schedule, entry.last_run_at)
+        return super().is_due(entry)
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        super().populate_heap(*args, **kwargs)
+        if not self.settings.align_intervals or not self._heap:
+            return
+        # The base class places entries by entry.is_due(), not self.is_due(): re-place the
+        # aligned ones, or the first run of each would wait for its unaligned time.
+        for index, event in enumerate(self._heap):
+            entry = event[2]
+            if _alignable(entry.schedule):
+                due, delay = self.is_due(entry)
+                self._heap[index] = event._replace(time=self._when(entry, 0 if due else delay))
+        heapq.heapify(self._heap)
 
     def apply_entry(self, entry: Any, producer: Any = None) -> None:
         if not self._may_dispatch():

@@ -1,0 +1,159 @@
+"""Fixtures for the beat tests: a broker of their own, one shared worker, beat processes.
+
+Every test records into keys of its own (a fresh ``key``), so the session-wide worker and
+broker are never flushed under a running process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from celery_redlock import Redlock
+from celery_redlock.beat import read_leader
+from celery_redlock.testing import RedisServer, ServerSet
+from celery_redlock.testing.celery import CeleryBeat, CeleryWorker
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.beat.beatapp"
+LOCK_NAME = "beat:beattests"  # the default: "beat:" + the app's main name
+POLL = 0.05
+
+
+def slot_of(t: float, period: float = 1.0) -> int:
+    """The slot a message published at ``t`` was for: the nearest period boundary."""
+    return math.floor(t / period + 0.5)
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(POLL)
+
+
+@pytest.fixture(scope="session")
+def beat_broker() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def beat_env(beat_broker: RedisServer, _redlock_server_set: ServerSet) -> dict[str, str]:
+    return {"BEAT_TEST_BROKER": beat_broker.url,
+            "BEAT_TEST_MASTERS": ",".join(_redlock_server_set.urls)}
+
+
+@pytest.fixture(scope="session")
+def beat_worker(beat_env: dict[str, str]) -> Iterator[CeleryWorker]:
+    """One real worker for the session: 4 threads, so overlapping runs would be possible."""
+    worker = CeleryWorker(APP, pool="threads", concurrency=4, env=beat_env, pythonpath=[ROOT])
+    with worker:
+        yield worker
+
+
+class Records:
+    """What the processes of one test recorded under its own key, on the broker's server."""
+
+    def __init__(self, broker: RedisServer) -> None:
+        self.key = f"t-{uuid.uuid4().hex[:12]}"
+        self.client = redis.Redis(host=broker.host, port=broker.port, db=2, socket_timeout=5)
+
+    def _list(self, suffix: str) -> list[dict[str, Any]]:
+        return [json.loads(item) for item in self.client.lrange(f"{self.key}:{suffix}", 0, -1)]
+
+    def sent(self) -> list[dict[str, Any]]:
+        return self._list("sent")
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self._list("runs")
+
+    def done(self) -> list[dict[str, Any]]:
+        return self._list("done")
+
+    def sent_by(self, pid: int) -> list[dict[str, Any]]:
+        return [s for s in self.sent() if s["pid"] == pid]
+
+    def wait_all_done(self, timeout: float = 20.0) -> None:
+        """Until the worker finished (ran or skipped) every message the beats sent."""
+        def finished() -> bool:
+            return {s["id"] for s in self.sent()} <= {d["id"] for d in self.done()}
+        wait_until(finished, timeout, "the worker to finish every sent message")
+
+
+@pytest.fixture
+def records(beat_broker: RedisServer) -> Iterator[Records]:
+    rec = Records(beat_broker)
+    yield rec
+    rec.client.close()
+
+
+class Beats:
+    """Starts ``celery beat`` processes for one test and stops them all (by pid) after it."""
+
+    def __init__(self, env: dict[str, str], records: Records, tmp: Path) -> None:
+        self.env = env
+        self.records = records
+        self.tmp = tmp
+        self.procs: list[CeleryBeat] = []
+
+    def start(self, count: int, *, every: float = 1.0, task: str = "tests.beat.beatapp.record",
+              args: list[Any] | None = None, conf: dict[str, Any] | None = None,
+              scheduler: str | None = None, wait: bool = True) -> list[CeleryBeat]:
+        schedule = {"job": {"task": task, "every": every,
+                            "args": [self.records.key, *(args or [])]}}
+        env = dict(self.env, BEAT_TEST_RECORD="1", BEAT_TEST_SCHEDULE=json.dumps(schedule),
+                   BEAT_TEST_CONF=json.dumps(conf or {}))
+        started = []
+        for _ in range(count):
+            name = f"beat{len(self.procs) + 1}"
+            proc = CeleryBeat(APP, scheduler=scheduler, env=env, pythonpath=[ROOT],
+                              log_dir=self.tmp / name, name=name)
+            self.procs.append(proc)
+            started.append(proc.start(wait=False))
+        if wait:
+            for proc in started:
+                proc.wait_ready()
+        return started
+
+    def by_pid(self, pid: int) -> CeleryBeat:
+        return next(p for p in self.procs if p.pid == pid)
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            proc.stop(timeout=5)
+
+
+@pytest.fixture
+def beats(beat_env: dict[str, str], records: Records, tmp_path: Path,
+          redlock_masters: ServerSet) -> Iterator[Beats]:
+    fleet = Beats(beat_env, records, tmp_path)
+    try:
+        yield fleet
+    finally:
+        fleet.stop_all()
+
+
+def current_leader(redlock: Redlock) -> dict[str, Any] | None:
+    return read_leader(redlock, LOCK_NAME)
+
+
+def count_slots(sends: list[dict[str, Any]], first: int, last: int) -> tuple[list[int], list[int]]:
+    """(doubled, missed) slots in ``first..last`` among ``sends``."""
+    counts = Counter(slot_of(s["t"]) for s in sends)
+    doubled = sorted(k for k in range(first, last + 1) if counts[k] > 1)
+    missed = sorted(k for k in range(first, last + 1) if counts[k] == 0)
+    return doubled, missed
