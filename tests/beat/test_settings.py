@@ -1,0 +1,134 @@
+"""Bad ``redlock_beat_*`` settings fail at start-up, naming the setting; and the leader lock is
+kept by the heartbeat thread, not by ticks (in-process schedulers on the 5 real masters)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_redlock import ConfigError
+from celery_redlock.beat import RedlockScheduler, beat_leader_elected, beat_leader_lost, read_leader
+from celery_redlock.testing import ServerSet
+from celery_redlock.testing.celery import CeleryBeat
+
+from .conftest import APP, ROOT, wait_until
+
+GOOD = {"redlock_beat_lock_ttl": 3.0}
+BAD = [
+    ({"redlock_beat_lock_ttl": 0}, "redlock_beat_lock_ttl"),
+    ({"redlock_beat_lock_ttl": "10"}, "redlock_beat_lock_ttl"),
+    ({"redlock_beat_min_validity": 2.5}, "redlock_beat_min_validity"),
+    ({"redlock_beat_standby_interval": -1}, "redlock_beat_standby_interval"),
+    ({"redlock_beat_standby_interval": 5.0}, "redlock_beat_standby_interval"),
+    ({"redlock_beat_scheduler": "no_such_module:Scheduler"}, "redlock_beat_scheduler"),
+    ({"redlock_beat_scheduler": "celery.app.base:Celery"}, "redlock_beat_scheduler"),
+    ({"redlock_beat_scheduler": "celery_redlock.beat:RedlockScheduler"}, "redlock_beat_scheduler"),
+    ({"redlock_beat_lock_name": 42}, "redlock_beat_lock_name"),
+    ({"redlock_beat_align_intervals": "yes"}, "redlock_beat_align_intervals"),
+    ({"redlock_masters": None}, "redlock_masters"),
+    ({"redlock_masters": ["http://127.0.0.1:1"]}, "redlock_masters"),
+]
+
+
+def make_app(masters: list[str], **conf: Any) -> Celery:
+    app = Celery("beatunit", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.update(redlock_masters=masters, beat_schedule={}, **GOOD)
+    app.conf.update(conf)
+    return app
+
+
+@pytest.mark.parametrize(("conf", "setting"), BAD, ids=[f"{s}={c[s]!r}" for c, s in BAD])
+def test_bad_setting_is_named(conf: dict[str, Any], setting: str, tmp_path: Path) -> None:
+    app = make_app(["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"],
+                   **conf)
+    with pytest.raises(ConfigError, match=setting):
+        RedlockScheduler(app, schedule_filename=str(tmp_path / "s"), lazy=True)
+
+
+@pytest.mark.timeout(60)
+def test_celery_beat_exits_at_start_naming_the_setting(beat_env: dict[str, str],
+                                                       tmp_path: Path) -> None:
+    beat = CeleryBeat(APP, scheduler="celery_redlock.beat:RedlockScheduler", pythonpath=[ROOT],
+                      env={**beat_env, "BEAT_TEST_CONF": '{"redlock_beat_lock_ttl": -1}'},
+                      log_dir=tmp_path)
+    beat.start(wait=False)
+    try:
+        code = wait_until(lambda: beat.returncode is not None, 30, "celery beat to exit")
+        assert code and beat.returncode != 0
+        assert "redlock_beat_lock_ttl must be > 0" in beat.log_text()
+        assert "beat: Starting" not in beat.log_text()
+    finally:
+        beat.stop()
+
+
+@pytest.fixture
+def scheduler_factory(redlock_masters: ServerSet, tmp_path: Path) -> Iterator[Any]:
+    made: list[RedlockScheduler] = []
+
+    def make(**conf: Any) -> RedlockScheduler:
+        app = make_app(redlock_masters.urls, **conf)
+        sched = RedlockScheduler(app, schedule_filename=str(tmp_path / f"s{len(made)}"))
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        sched.close()
+
+
+@pytest.mark.timeout(30)
+def test_leader_lock_outlives_a_long_loop_interval(scheduler_factory: Any) -> None:
+    """No tick for 3 TTLs (as with a long beat_max_loop_interval): the heartbeat keeps it."""
+    leader = scheduler_factory(redlock_beat_lock_ttl=1.0, redlock_beat_standby_interval=0.2)
+    standby = scheduler_factory(redlock_beat_lock_ttl=1.0, redlock_beat_standby_interval=0.2)
+    leader.tick()
+    assert leader.leading
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:
+        standby.tick()
+        assert not standby.leading
+        time.sleep(0.2)
+    assert leader.leading and leader._lock is not None and leader._lock.owned()
+    record = read_leader(leader._redlock, leader.settings.lock_name)
+    assert record is not None and record["since"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_leader_cut_off_from_a_majority_steps_down_and_signals(
+    scheduler_factory: Any, redlock_masters: ServerSet
+) -> None:
+    events: list[tuple[str, dict[str, Any]]] = []
+    lost = threading.Event()
+
+    def on_elected(sender: Any, **kw: Any) -> None:
+        events.append(("elected", kw))
+
+    def on_lost(sender: Any, **kw: Any) -> None:
+        events.append(("lost", kw))
+        lost.set()
+
+    beat_leader_elected.connect(on_elected)
+    beat_leader_lost.connect(on_lost)
+    try:
+        leader = scheduler_factory(redlock_beat_lock_ttl=1.5)
+        leader.tick()
+        assert leader.leading
+        for server in redlock_masters[:3]:
+            server.pause()
+        # Found by the heartbeat thread, with no tick at all, before the TTL is out.
+        assert lost.wait(1.5 + 1.0)
+        assert not leader.leading
+        for server in redlock_masters[:3]:
+            server.resume()
+        wait_until(lambda: leader.tick() is not None and leader.leading, 5, "re-election")
+    finally:
+        beat_leader_elected.disconnect(on_elected)
+        beat_leader_lost.disconnect(on_lost)
+    assert [name for name, _ in events] == ["elected", "lost", "elected"]
+    assert events[1][1]["reason"] and events[1][1]["lock_name"] == "beat:beatunit"
