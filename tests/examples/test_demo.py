@@ -1,0 +1,117 @@
+"""``python -m celery_redlock demo``: the README's first command, run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_redlock.demo import burst
+from celery_redlock.demo_ledger import LedgerReader, LedgerWriter, find_overlaps, summarize
+
+from .procs import printed_pids, survivors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "120"}
+
+
+def _row(output: str, name: str) -> str:
+    match = re.search(rf"{re.escape(name)}\s*[│|]\s*(.+?)\s*[│|]", output)
+    assert match, f"no row {name!r} in:\n{output}"
+    return match.group(1)
+
+
+def _assert_nothing_left(output: str, expected: int) -> None:
+    pids = printed_pids(output)
+    assert len(pids) == expected, output  # 5 masters, a broker, 2 workers
+    deadline = time.monotonic() + 10
+    while survivors(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)  # pool children orphaned by a killed worker are reaped asynchronously
+    assert survivors(pids) == []
+
+
+@pytest.mark.timeout(150)
+def test_demo_runs_a_duplicate_burst_without_overlap_through_a_master_kill() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "200", "--invoices", "20",
+         "--seed", "7"],
+        cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120, env=_env(),
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert _row(out, "tasks submitted") == "200"
+    assert _row(out, "tasks finished") == "200"
+    assert _row(out, "bodies run") == "200"  # retry policy: every duplicate runs, in turn
+    assert int(_row(out, "duplicates that waited (retried)")) > 0
+    assert _row(out, "overlaps found by the checker") == "0"
+    assert re.fullmatch(r"127\.0\.0\.1:\d+", _row(out, "master killed mid-burst"))
+    assert re.fullmatch(r"\d+\.\d ms", _row(out, "lock acquire latency p99"))
+    _assert_nothing_left(out, expected=8)
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_every_process_the_demo_started() -> None:
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "5000", "--invoices", "50",
+         "--deadline", "90"],
+        cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=_env(),
+    )
+    lines: list[str] = []
+    try:
+        assert demo.stdout is not None
+        for line in demo.stdout:  # bounded by the test's timeout; the demo prints as it goes
+            lines.append(line)
+            if line.startswith("submitted "):
+                break
+        assert lines and lines[-1].startswith("submitted "), "".join(lines)
+        demo.send_signal(signal.SIGINT)
+        rest, _ = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    out = "".join(lines) + rest
+    assert demo.returncode == 130, out
+    assert "interrupted (SIGINT)" in out
+    _assert_nothing_left(out, expected=8)
+
+
+def test_checker_finds_overlapping_holds_of_one_resource_only(tmp_path: Path) -> None:
+    writer = LedgerWriter(tmp_path)
+    runs = [("a", "invoice:1", 0.0, 1.0), ("b", "invoice:1", 1.0, 2.0),  # back to back: fine
+            ("c", "invoice:1", 1.5, 1.7),                                  # inside b: overlap
+            ("d", "invoice:2", 0.5, 1.5)]                                  # other resource
+    for task_id, resource, start, end in runs:
+        writer.write("run", task_id=task_id, resource=resource, start=start, end=end, acquire=0.001)
+        writer.write("done", task_id=task_id, state="SUCCESS")
+    writer.write("retry", task_id="e")
+    writer.write("done", task_id="e", state="RETRY")
+    writer.write("done", task_id="e", state="SUCCESS")  # the retried run ended without a body
+    reader = LedgerReader(tmp_path)
+    reader.poll()
+    overlaps = find_overlaps(reader.runs)
+    assert [(a.task_id, b.task_id) for a, b in overlaps] == [("b", "c")]
+    summary = summarize(reader, submitted=5)
+    assert (summary.finished, summary.ran, summary.waited, summary.skipped) == (5, 4, 1, 1)
+    assert not summary.ok
+
+
+def test_burst_holds_every_invoice_and_clusters_duplicates() -> None:
+    import itertools
+    import random
+
+    ids = burst(300, 30, random.Random(1))
+    assert sorted(ids) == sorted(i % 30 + 1 for i in range(300))
+    adjacent = sum(1 for a, b in itertools.pairwise(ids) if a == b)
+    assert adjacent > 50  # copies of one call arrive close together, as duplicates do
