@@ -12,11 +12,13 @@ ttl`` written to every master's socket, every reply read, then the release scrip
 way, over plain redis-py connections. Redlock and floor run in alternating blocks in the same
 process, so both see the same machine load; the ratio is what the lock logic costs.
 
-Contended: ``--processes`` processes loop on one resource for ``--duration`` seconds; a critical
-section is one successful acquisition followed by its release. The floor loop sends the same
-raw commands: SET NX PX to all masters, a quorum of OKs is a hold, and the release script goes to
-every master whose SET succeeded (after a hold: all of them). A failed try is retried at once, or
-after the same random delay (``--retry-delay``) for both.
+Contended: ``--processes`` processes loop on one resource; a critical section is one successful
+acquisition followed by its release. The floor loop sends the same raw commands: SET NX PX to all
+masters, a quorum of OKs is a hold, and the release script goes to every master whose SET
+succeeded (after a hold: all of them). Every process runs both loops, each on its own key, in
+alternating time slices (``--slice``) for ``--duration`` seconds each, so both see the same
+machine load. A failed try is retried at once, or after the same random delay (``--retry-delay``)
+for both.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import multiprocessing
 import os
 import random
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from multiprocessing.synchronize import Event as EventType
 from typing import Any
 from urllib.parse import urlparse
 
@@ -165,44 +167,83 @@ def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -
 
 
 # -- contended ------------------------------------------------------------------------------------
+KINDS = ("redlock", "floor")
+
+
+def slice_kind(index: int) -> str:
+    """Slices run A B B A A B B A ...: each kind goes first equally often, whatever the load does."""
+    return KINDS[((index + 1) // 2) % 2]
+
+
 def contender(
-    kind: str, urls: list[str], key: str, start_at: EventType, ready: Any, results: Any,
-    duration: float, retry_delay: float,
+    urls: list[str], key: str, start_at: Any, ready: Any, results: Any, slices: int,
+    slice_length: float, retry_delay: float,
 ) -> None:
-    """One competing process: loops on one resource until ``duration`` has passed."""
-    try_hold: Callable[[], bool]
-    if kind == "redlock":
-        redlock = Redlock(urls, ttl=TTL, retry_count=0)
-        lock = redlock.lock(key, ttl=TTL)
+    """One competing process: tries both kinds, each during its own time slices.
 
-        def try_hold() -> bool:
-            if lock.acquire(blocking=False):
-                lock.release()
-                return True
-            return False
+    Both kinds live in every process and alternate by the clock (CLOCK_MONOTONIC is shared by
+    all processes), so they see the same machine load; each has its own key.
+    """
+    redlock = Redlock(urls, ttl=TTL, retry_count=0)
+    lock = redlock.lock(f"{key}:redlock", ttl=TTL)
+    floor = Floor(urls)
+    floor_key = f"{key}:floor"
 
-        closer: Callable[[], None] = redlock.close
-    else:
-        floor = Floor(urls)
+    def redlock_try() -> bool:
+        if lock.acquire(blocking=False):
+            lock.release()
+            return True
+        return False
 
-        def try_hold() -> bool:
-            return floor.try_hold(key)
+    tries: dict[str, Callable[[], bool]] = {
+        "redlock": redlock_try, "floor": lambda: floor.try_hold(floor_key),
+    }
+    holds = dict.fromkeys(KINDS, 0)
+    attempts = dict.fromkeys(KINDS, 0)
+    try:
+        for attempt in tries.values():  # connect before the clock starts
+            attempt()
+        ready.put(os.getpid())
+        if not start_at.wait(timeout=60):
+            return
+        t0 = start_at.value
+        end = t0 + slices * slice_length
+        while True:
+            now = time.monotonic()
+            if now >= end:
+                break
+            if now < t0:
+                time.sleep(t0 - now)
+                continue
+            kind = slice_kind(int((now - t0) / slice_length))
+            attempts[kind] += 1
+            if tries[kind]():
+                holds[kind] += 1
+            elif retry_delay > 0:
+                time.sleep(random.uniform(0, retry_delay))
+        results.put((os.getpid(), holds, attempts))
+    finally:
+        floor.close()
+        redlock.close()
 
-        closer = floor.close
-    # One attempt before the start, so connecting is not counted.
-    try_hold()
-    ready.put(os.getpid())
-    start_at.wait(timeout=60)
-    holds = attempts = 0
-    deadline = time.monotonic() + duration
-    while time.monotonic() < deadline:
-        attempts += 1
-        if try_hold():
-            holds += 1
-        elif retry_delay > 0:
-            time.sleep(random.uniform(0, retry_delay))
-    results.put((os.getpid(), holds, attempts))
-    closer()
+
+class StartSignal:
+    """An event that also carries the monotonic time the contenders start at."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.event = ctx.Event()
+        self.t0 = ctx.Value("d", 0.0)
+
+    def set(self, t0: float) -> None:
+        self.t0.value = t0
+        self.event.set()
+
+    def wait(self, timeout: float) -> bool:
+        return bool(self.event.wait(timeout))
+
+    @property
+    def value(self) -> float:
+        return float(self.t0.value)
 
 
 @dataclass
@@ -217,16 +258,19 @@ class Contended:
         return self.holds / self.duration
 
 
-def contended(kind: str, urls: list[str], processes: int, duration: float,
-              retry_delay: float) -> Contended:
+def contended(urls: list[str], processes: int, duration: float, slice_length: float,
+              retry_delay: float) -> dict[str, Contended]:
+    """Both kinds, ``duration`` seconds each, in alternating slices of ``slice_length``."""
     ctx = multiprocessing.get_context("spawn")
-    start_at = ctx.Event()
+    start_at = StartSignal(ctx)
     ready = ctx.Queue()
     results = ctx.Queue()
-    key = f"bench:contended:{kind}:{len(urls)}"
+    slices = 2 * max(1, round(duration / slice_length))
+    slice_length = 2 * duration / slices
+    key = f"bench:contended:{len(urls)}"
     procs = [
-        ctx.Process(target=contender, args=(kind, urls, key, start_at, ready, results, duration,
-                                            retry_delay), daemon=True)
+        ctx.Process(target=contender, args=(urls, key, start_at, ready, results, slices,
+                                            slice_length, retry_delay), daemon=True)
         for _ in range(processes)
     ]
     for proc in procs:
@@ -234,19 +278,23 @@ def contended(kind: str, urls: list[str], processes: int, duration: float,
     try:
         for _ in procs:
             ready.get(timeout=60)
-        start_at.set()
-        holds = attempts = 0
+        # A short lead so every process is waiting on the clock, not still waking up.
+        start_at.set(time.monotonic() + 0.2)
+        total_holds = dict.fromkeys(KINDS, 0)
+        total_attempts = dict.fromkeys(KINDS, 0)
         for _ in procs:
-            _, h, a = results.get(timeout=duration + CONTENDED_GRACE)
-            holds += h
-            attempts += a
+            _, holds, attempts = results.get(timeout=2 * duration + CONTENDED_GRACE)
+            for kind in KINDS:
+                total_holds[kind] += holds[kind]
+                total_attempts[kind] += attempts[kind]
         for proc in procs:
             proc.join(timeout=10)
-        return Contended(kind, holds, attempts, duration)
+        return {kind: Contended(kind, total_holds[kind], total_attempts[kind], duration)
+                for kind in KINDS}
     finally:
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, 9)
+                os.kill(proc.pid, signal.SIGKILL)
                 proc.join(timeout=5)
 
 
@@ -277,6 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="uncontended iterations per alternating block")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per contended run")
     parser.add_argument("--processes", type=int, default=8, help="contending processes")
+    parser.add_argument("--slice", type=float, default=1.0,
+                        help="contended: seconds per alternating redlock/floor slice")
     parser.add_argument("--retry-delay", type=float, default=0.0,
                         help="contended retry: random delay in [0, this) s (0 = retry at once)")
     parser.add_argument("--skip-contended", action="store_true")
@@ -291,8 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("iterations", "warmup", "block", "processes"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive")
-    if args.duration <= 0 or args.retry_delay < 0:
-        parser.error("--duration must be > 0 and --retry-delay >= 0")
+    if args.duration <= 0 or args.slice <= 0 or args.retry_delay < 0:
+        parser.error("--duration and --slice must be > 0, --retry-delay >= 0")
 
     print(f"python {sys.version.split()[0]}, redis-py {redis.__version__}, "
           f"parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}, "
@@ -313,11 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  N={n} uncontended: redlock p50 {lock.p(0.5):.0f} us, "
                       f"floor p50 {floor.p(0.5):.0f} us", flush=True)
             if not args.skip_contended:
-                runs = []
-                for kind in ("redlock", "floor"):
-                    flush(servers)
-                    runs.append(contended(kind, urls, args.processes, args.duration,
-                                          args.retry_delay))
+                flush(servers)
+                by_kind = contended(urls, args.processes, args.duration, args.slice,
+                                    args.retry_delay)
+                runs = [by_kind["redlock"], by_kind["floor"]]
                 floor_run = runs[1]
                 for run in runs:
                     ratio = run.per_second / floor_run.per_second if floor_run.holds else float("nan")
@@ -335,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if con_rows:
         retry = "at once" if args.retry_delay == 0 else f"after U[0, {args.retry_delay}) s"
         print(f"\nContended: {args.processes} processes, one resource, {args.duration:g} s each, "
-              f"retry {retry}")
+              f"in alternating slices of about {args.slice:g} s, retry {retry}")
         print(table(["N", "impl", "holds/s", "tries/s", "holds/try", "holds / floor"], con_rows))
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
     return 0
