@@ -19,8 +19,9 @@ import time
 from typing import Any
 
 from celery import Celery, Task
-from celery.signals import task_postrun, task_prerun, task_retry
+from celery.signals import task_postrun, task_retry
 
+from . import signals
 from .demo_ledger import LedgerWriter
 from .task import RedlockTask
 
@@ -52,7 +53,8 @@ app.conf.update(
 )
 
 _ledger = LedgerWriter(os.environ.get(ENV_LEDGER, "."))
-_started: dict[str, float] = {}
+# How long each execution's lock acquisition took, from the lock_acquired signal to its body.
+_acquired: dict[str, float] = {}
 _started_lock = threading.Lock()
 
 
@@ -60,17 +62,18 @@ def _charge_invoice(self: Task, invoice_id: int) -> None:
     """Charge one invoice: only safe while no other process charges it at the same time."""
     start = time.monotonic()
     with _started_lock:
-        began = _started.pop(self.request.id, start)
+        acquire = _acquired.pop(self.request.id, 0.0)
     time.sleep(WORK)  # the payment provider's round trip
     self.redlock.ensure()  # LockLost here means the charge must not be recorded
     _ledger.write("run", task_id=self.request.id, resource=f"invoice:{invoice_id}", start=start,
-                  end=time.monotonic(), acquire=start - began)
+                  end=time.monotonic(), acquire=acquire)
 
 
-def _note_start(task_id: str | None = None, task: Any = None, **_: Any) -> None:
-    if getattr(task, "name", None) == TASK_NAME and task_id is not None:
+def _note_acquired(sender: Any = None, task_id: str | None = None, elapsed: float = 0.0,
+                   **_: Any) -> None:
+    if getattr(sender, "name", None) == TASK_NAME and task_id is not None:
         with _started_lock:
-            _started[task_id] = time.monotonic()
+            _acquired[task_id] = elapsed
 
 
 def _note_retry(request: Any = None, **_: Any) -> None:
@@ -82,7 +85,7 @@ def _note_end(task_id: str | None = None, task: Any = None, state: str | None = 
               **_: Any) -> None:
     if getattr(task, "name", None) == TASK_NAME and task_id is not None:
         with _started_lock:
-            _started.pop(task_id, None)
+            _acquired.pop(task_id, None)
         _ledger.write("done", task_id=task_id, state=state or "")
 
 
@@ -91,6 +94,6 @@ charge_invoice = app.task(
     _charge_invoice, base=RedlockTask, bind=True, name=TASK_NAME, lock_key="invoice:<invoice_id>",
     lock_ttl=LOCK_TTL, lock_contended=CONTENDED,
 )
-task_prerun.connect(_note_start, weak=False)
+signals.lock_acquired.connect(_note_acquired, weak=False)
 task_retry.connect(_note_retry, weak=False)
 task_postrun.connect(_note_end, weak=False)
