@@ -7,7 +7,7 @@ same clock in every process, so holds by different processes can be compared for
 
 Events:
 
-- ``run``: a body ran under the lock, from ``start`` to ``end``; ``acquire`` is the time from
+- ``run``: a body ran under the lock, from ``start`` to ``end``; ``acquire`` is how long taking
   the lock took, as the ``lock_acquired`` signal reported it.
 - ``retry``: an execution was postponed because another holder had the lock (it waited).
 - ``done``: an execution ended with ``state`` (a Celery state); ``RETRY`` is not final.
