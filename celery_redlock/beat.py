@@ -61,6 +61,7 @@ from .errors import ConfigError
 from .heartbeat import process_heartbeat
 from .masters import Round
 from .redlock import Lock, Redlock, lock_key
+from .settings import read_settings
 
 logger = logging.getLogger("celery_redlock.beat")
 
@@ -157,17 +158,13 @@ class BeatSettings:
 
 
 def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
-    """A Redlock over the ``redlock_masters`` setting (a list of URLs, or one comma-separated)."""
-    masters = conf.get("redlock_masters")
-    if isinstance(masters, str):
-        masters = [m.strip() for m in masters.split(",") if m.strip()]
-    if not masters:
-        raise ConfigError(
-            "redlock_masters is not set: the beat leader lock needs the redis:// URLs of the "
-            "lock masters"
-        )
+    """A Redlock of the beat's own over the app's ``redlock_*`` settings (masters, timeouts,
+    key prefix), so its connections close with the scheduler and never with a task's."""
+    settings = read_settings(conf)
     try:
-        return Redlock(masters)
+        return Redlock(list(settings.masters), ttl=settings.ttl, retry_count=0,
+                       drift_factor=settings.drift_factor,
+                       request_timeout=settings.request_timeout, key_prefix=settings.key_prefix)
     except ConfigError as exc:
         raise ConfigError(f"redlock_{exc}") from None
 
