@@ -4,6 +4,7 @@ a queue of its own so a test picks the pool by the queue it sends to."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import uuid
@@ -99,7 +100,7 @@ def overlaps(intervals: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict
         by_key.setdefault(item["key"], []).append(item)
     for items in by_key.values():
         items.sort(key=lambda i: i["start"])
-        for before, after in zip(items, items[1:]):
+        for before, after in itertools.pairwise(items):
             if after["start"] < before["end"]:
                 found.append((before, after))
     return found

@@ -141,7 +141,7 @@ def own_retry(self: RedlockTask, key: str, record_to: str) -> int:
 def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
     """Once per 60 s slot: the lock outlives the run, so a late duplicate of the slot is skipped."""
     assert self.redlock is not None
-    record(record_to, event="ran", key=key, task_id=self.request.id, name=self.redlock.name)
+    record(record_to, event="ran", key=key, task_id=self.request.id, lock=self.redlock.name)
     return self.redlock.name
 
 

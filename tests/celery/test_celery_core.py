@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 import pytest
-from celery.result import AsyncResult
 from conftest import overlaps, records
 
 from celery_redlock import Redlock
@@ -40,7 +40,7 @@ def test_duplicates_never_overlap_and_all_run(lockapp: Any, pool: Pool, tag: str
     assert all(r["owned"] for r in intervals)
     # Distinct keys do not wait for each other: at least two of them ran at the same time.
     spans = sorted((r["start"], r["end"]) for r in intervals if r["key"] in distinct)
-    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), spans
+    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans
     # The duplicates waited by lock retries, never by the task's own retries.
     assert all(r["retries"] == 0 for r in intervals)
 
