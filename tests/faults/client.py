@@ -1,0 +1,138 @@
+"""One workload client: contend for the resources, and inside each hold update the register.
+
+Run as a thread (``run_client(config)``) or as its own process
+(``python -m <package>.client '<json config>'``), which the client-pause nemesis can SIGSTOP.
+
+Each attempt is one round (``acquire(blocking=False)``), so every failure is counted with its
+reason. Inside a hold the client checks ``ensure()`` before it reads and again before it writes;
+sometimes it extends the lock, and sometimes it walks away without releasing (as a crashed
+holder would), which makes holds end at their validity and exercises the TTL boundary.
+Every hold is recorded with ``time.monotonic()``, one clock for the whole machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from celery_redlock import LockLost, LockNotAcquired, Redlock
+
+from .register import EVENTS, Register
+
+
+@dataclass
+class ClientConfig:
+    name: str
+    masters: list[str]
+    register: str
+    resources: list[str]
+    until: float  # time.monotonic() at which to stop
+    seed: int
+    ttl: float = 1.0
+    request_timeout: float = 0.1
+    key_prefix: str = "faults:"
+    hold: tuple[float, float] = (0.05, 0.3)  # fraction of the TTL spent between read and write
+    abandon: float = 0.05  # probability of leaving the lock to expire instead of releasing it
+    extend: float = 0.2  # probability of extending once inside the hold
+    backoff: float = 0.05  # random wait after a failed attempt, at most this
+    pausable: bool = False  # a process client: may SIGSTOP itself when the nemesis asks
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ClientConfig:
+        data = json.loads(text)
+        data["hold"] = tuple(data["hold"])
+        return cls(**data)
+
+
+def failure_reason(error: LockNotAcquired | None) -> str:
+    """Why one round failed: too slow (a quorum granted but no validity was left), contended
+    (another token holds the key somewhere), or unreachable (errors and timeouts only)."""
+    if error is None:
+        return "unknown"
+    yes = sum(1 for vote in error.votes if vote.kind == "yes")
+    if yes >= error.quorum:
+        return "too slow"
+    if error.held_by_other:
+        return "contended"
+    return "unreachable"
+
+
+def run_client(config: ClientConfig) -> None:
+    rng = random.Random(config.seed)
+    register = Register(config.register)
+    failures: Counter[str] = Counter()
+    holds = 0
+    with Redlock(config.masters, ttl=config.ttl, retry_count=0,
+                 request_timeout=config.request_timeout, key_prefix=config.key_prefix) as redlock:
+        while time.monotonic() < config.until:
+            resource = rng.choice(config.resources)
+            lock = redlock.lock(resource)
+            if not lock.acquire(blocking=False):
+                failures[failure_reason(lock.last_error)] += 1
+                time.sleep(rng.uniform(0, config.backoff))  # pacing, not synchronisation
+                continue
+            holds += 1
+            t_acquired = time.monotonic()
+            validity_end = t_acquired + lock.validity
+            record: dict[str, Any] = {
+                "kind": "hold", "client": config.name, "resource": resource, "token": lock.token,
+                "t_acquired": t_acquired, "validity_end": validity_end, "t_released": None,
+                "yes": sum(1 for v in lock.last_votes if v.kind == "yes"),
+                "masters": len(lock.last_votes), "quorum": redlock.quorum,
+                "wrote": False, "lost": "", "extended": False,
+            }
+            if config.pausable and register.take_pause_request():
+                _pause_self(register, config, lock, record)
+            try:
+                lock.ensure()
+                value = register.read(resource)
+                time.sleep(rng.uniform(*config.hold) * config.ttl)  # the work, between read and write
+                if rng.random() < config.extend and lock.extend():
+                    record["validity_end"] = time.monotonic() + lock.validity
+                    record["extended"] = True
+                lock.ensure()
+                register.write(resource, value + 1, f"{config.name}:{lock.token}")
+                record["wrote"] = True
+            except LockLost as exc:
+                record["lost"] = exc.reason or "lost"
+            if rng.random() >= config.abandon:
+                # The holder is done once it starts releasing: another client may get the
+                # lock before release() returns.
+                record["t_released"] = time.monotonic()
+                lock.release()
+            register.record(record)
+    register.record({"kind": "summary", "client": config.name, "holds": holds,
+                     "failures": dict(failures)})
+    register.close()
+
+
+def _pause_self(register: Register, config: ClientConfig, lock: Any, record: dict[str, Any]) -> None:
+    """SIGSTOP this process while holding, before touching the register; the nemesis resumes it
+    once another client has taken the resource. Then report what the lock says."""
+    register.record({"kind": "paused", "client": config.name, "pid": os.getpid(),
+                     "resource": record["resource"], "token": lock.token, "t": time.monotonic(),
+                     "validity_end": record["validity_end"]}, key=EVENTS)
+    os.kill(os.getpid(), signal.SIGSTOP)
+    owned = lock.owned()
+    try:
+        lock.ensure()
+        raised = ""
+    except LockLost as exc:
+        raised = f"LockLost: {exc.reason}"
+    register.record({"kind": "resumed", "client": config.name, "token": lock.token,
+                     "t": time.monotonic(), "owned": owned, "ensure_raised": raised}, key=EVENTS)
+
+
+if __name__ == "__main__":
+    run_client(ClientConfig.from_json(sys.argv[1]))

@@ -1,0 +1,230 @@
+"""What each scenario runs, and what it must show.
+
+Within the algorithm's assumptions (a minority of masters faulty at a time, restarts delayed past
+the TTL or with fsynced data, bounded clock drift) a scenario must show zero overlaps, zero lost
+updates and a lock that stays available. Outside them (``expect="violation"``) the checker must
+*find* the overlap: that is what proves it is not blind.
+
+The two out-of-assumption scenarios and their controls share one layout: group A never reaches
+masters 3 and 4, group B never reaches 0 and 1, so every hold is granted by exactly three masters
+and the two groups meet only on master 2. Whatever makes master 2 forget a key early (an empty
+restart, a fast clock) lets the other group in while the holder still holds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .checker import Report, check
+from .client import ClientConfig, run_client
+from .cluster import Cluster, ClusterSpec
+from .nemesis import Nemesis
+from .register import EVENTS, Register
+
+SHARED_ONLY_ON_2 = {0: (3, 4), 1: (0, 1)}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    summary: str
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    faults: Sequence[str] = ()  # Nemesis method names
+    victims: Sequence[int] | None = None  # fixed victims; None: a random minority each time
+    concurrent: bool = False
+    expect: Literal["safe", "violation"] = "safe"
+    available: bool = True  # assert the lock stays available (a majority is always up)
+    threads: int = 3  # per group
+    processes: int = 1  # per group
+    resources: int = 2
+    ttl: float = 1.0
+    hold: tuple[float, float] = (0.05, 0.3)
+    abandon: float = 0.05
+    extend: float = 0.2
+    limit: str = ""  # for a violation: the known limit and the operator rule that avoids it
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario("kill-delayed", "kill 1-2 masters, restart empty after 1.5 x TTL",
+             faults=["kill_delayed"]),
+    Scenario("kill-fsync", "kill 1-2 masters, restart at once with appendfsync-always data",
+             cluster=ClusterSpec(persistent=True), faults=["kill_fsync"]),
+    Scenario("pause-master", "SIGSTOP 1-2 masters for 1.5 x TTL", faults=["pause_master"]),
+    Scenario("partition", "2 client groups, each with its own drop/delay/black-hole/cut faults",
+             cluster=ClusterSpec(groups=2), faults=["partition"], threads=2),
+    Scenario("client-pause", "a holder process SIGSTOPs past its TTL, then resumes",
+             faults=["client_pause"], threads=1, processes=3, resources=1, ttl=0.5),
+    Scenario("combined", "all of the above, one or two at once, on a random minority",
+             cluster=ClusterSpec(persistent=True, groups=2),
+             faults=["kill_delayed", "kill_fsync", "pause_master", "partition", "client_pause"],
+             concurrent=True, threads=2),
+    Scenario("clock-bounded", "master 2's clock 0.5% fast (drift_factor 1%), A/B layout",
+             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 1.005}),
+             threads=2, processes=0, resources=1, hold=(0.3, 0.7), abandon=0.4, available=False),
+    Scenario("clock-fast", "master 2's clock 2x fast, A/B layout",
+             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 2.0}),
+             threads=2, processes=0, resources=1, hold=(0.3, 0.7), abandon=0.4,
+             expect="violation", available=False,
+             limit="a master whose clock runs faster than drift_factor allows expires keys early; "
+                   "keep masters on NTP-slewed clocks (never stepped) and drift_factor above "
+                   "the worst rate error"),
+    Scenario("restart-empty", "kill master 2, restart it empty at once, A/B layout",
+             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2), faults=["kill_empty"],
+             victims=[2], threads=2, processes=0, resources=1, ttl=2.0, hold=(0.3, 0.7),
+             abandon=0.0, expect="violation", available=False,
+             limit="a master that restarts without its data forgets the locks it granted; "
+                   "keep a restarted master out for longer than the largest TTL, or run it "
+                   "with appendfsync always"),
+    Scenario("restart-delayed", "as restart-empty, restart after 1.5 x TTL",
+             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2), faults=["kill_delayed"],
+             victims=[2], threads=2, processes=0, resources=1, ttl=2.0, hold=(0.3, 0.7),
+             abandon=0.0, available=False),
+    Scenario("restart-fsync", "as restart-empty, with appendfsync-always data kept",
+             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, persistent=True),
+             faults=["kill_fsync"], victims=[2], threads=2, processes=0, resources=1, ttl=2.0,
+             hold=(0.3, 0.7), abandon=0.0, available=False),
+]
+BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
+
+
+@dataclass
+class Result:
+    scenario: Scenario
+    duration: float
+    seed: int
+    report: Report
+    events: list[dict[str, Any]]
+    nemesis_log: list[str]
+    fault_counts: dict[str, int]
+
+    def problems(self) -> list[str]:
+        """What this run failed to show, given what the scenario expects."""
+        report, scenario = self.report, self.scenario
+        found: list[str] = []
+        if report.holds == 0:
+            return ["no hold at all: the workload did not run"]
+        if scenario.expect == "violation":
+            if not report.overlaps:
+                found.append("expected the checker to find an overlap; it found none")
+        else:
+            found += report.problems()
+            bound = availability_bound(scenario)
+            if scenario.available and report.max_unavailable > bound:
+                found.append(f"unavailable for {report.max_unavailable:.2f} s > {bound:.2f} s "
+                             "while a majority was up")
+        if scenario.faults and not self.fault_counts:
+            found.append("no fault was injected")
+        found += self._client_pause_problems()
+        return found
+
+    def _client_pause_problems(self) -> list[str]:
+        found = []
+        resumed = {e["token"]: e for e in self.events if e["kind"] == "resumed"}
+        for event in self.events:
+            if event["kind"] != "paused":
+                continue
+            after = resumed.get(event["token"])
+            if after is None:
+                found.append(f"{event['client']} was paused and never reported resuming")
+                continue
+            if after["owned"] or not after["ensure_raised"].startswith("LockLost"):
+                found.append(f"{event['client']} resumed with owned()={after['owned']}, "
+                             f"ensure() raised {after['ensure_raised'] or 'nothing'}")
+            others = [h for h in self.report_holds if h["resource"] == event["resource"]
+                      and h["client"] != event["client"] and event["t"] < h["t_acquired"] < after["t"]]
+            if not others:
+                found.append(f"nobody took {event['resource']} while {event['client']} was paused")
+        return found
+
+    report_holds: list[dict[str, Any]] = field(default_factory=list)
+
+
+def availability_bound(scenario: Scenario) -> float:
+    """A lock abandoned by a crashed (or paused) holder is free again one TTL later; allow one more
+    TTL for rounds that split the votes, and half a second for reconnecting to a master that
+    came back (masters.RECONNECT_INTERVAL)."""
+    return 2 * scenario.ttl + 0.5
+
+
+def _package_root() -> Path:
+    """The directory from which ``<this package>.client`` imports, for client processes."""
+    depth = len(__package__.split("."))
+    return Path(__file__).resolve().parents[depth]
+
+
+def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
+    rng = random.Random(f"{seed}:{scenario.name}")
+    with Cluster(scenario.cluster) as cluster:
+        register = Register(cluster.register.url)
+        until = time.monotonic() + duration
+        resources = [f"res{i}" for i in range(scenario.resources)]
+        configs = []
+        for group in range(scenario.cluster.groups):
+            for kind, count in (("t", scenario.threads), ("p", scenario.processes)):
+                for i in range(count):
+                    configs.append(ClientConfig(
+                        name=f"g{group}{kind}{i}", masters=cluster.urls(group),
+                        register=cluster.register.url, resources=resources, until=until,
+                        seed=rng.randrange(2**32), ttl=scenario.ttl, hold=scenario.hold,
+                        abandon=scenario.abandon, extend=scenario.extend,
+                        key_prefix=f"faults:{scenario.name}:", pausable=kind == "p"))
+        nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()),
+                          scenario.ttl)
+        processes: dict[str, subprocess.Popen[bytes]] = {}
+        threads: list[threading.Thread] = []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(_package_root()), os.environ.get("PYTHONPATH", "")]))
+        try:
+            for config in configs:
+                if config.pausable:
+                    processes[config.name] = subprocess.Popen(
+                        [sys.executable, "-m", f"{__package__}.client", config.to_json()], env=env)
+                else:
+                    thread = threading.Thread(target=run_client, args=(config,), name=config.name)
+                    thread.start()
+                    threads.append(thread)
+            nemesis.pids = {name: proc.pid for name, proc in processes.items()}
+            nemesis_thread = None
+            if scenario.faults:
+                nemesis_thread = threading.Thread(
+                    target=nemesis.run, args=(scenario.faults, until),
+                    kwargs={"victims": scenario.victims, "concurrent": scenario.concurrent},
+                    name="nemesis")
+                nemesis_thread.start()
+            for thread in threads:
+                thread.join(duration + 30)
+            for proc in processes.values():
+                proc.wait(timeout=max(1.0, until - time.monotonic()) + 30)
+            if nemesis_thread is not None:
+                nemesis.stop.set()
+                nemesis_thread.join(60)
+        finally:
+            nemesis.stop.set()
+            for proc in processes.values():
+                if proc.poll() is None:  # ours, by pid: resume (it may be stopped) and kill
+                    os.kill(proc.pid, signal.SIGCONT)
+                    proc.kill()
+                    proc.wait(10)
+        records = register.records()
+        logs = {r: [value for value, _ in register.log(r)] for r in resources}
+        counters = {r: register.read(r) for r in resources}
+        events = register.records(EVENTS)
+        register.close()
+        nemesis.register.close()
+    result = Result(scenario, duration, seed, check(records, logs, counters), events,
+                    nemesis.log, dict(nemesis.counts))
+    result.report_holds = [r for r in records if r["kind"] == "hold"]
+    unfinished = [t.name for t in threads if t.is_alive()]
+    if unfinished:
+        raise RuntimeError(f"clients did not finish: {unfinished}")
+    return result
