@@ -7,13 +7,16 @@ the shared real worker runs every message, checked where it adds something.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 
 from celery_redlock import Redlock
 
-from .conftest import Beats, Records, count_slots, current_leader, slot_of, wait_until
+from .conftest import APP, ROOT, Beats, Records, count_slots, current_leader, slot_of, wait_until
 
 TTL = 3.0
 STANDBY = 0.5
@@ -22,6 +25,12 @@ PERIOD = 1.0
 SLACK = 1.0
 CONF = {"redlock_beat_lock_ttl": TTL, "redlock_beat_standby_interval": STANDBY}
 SCHEDULER = "celery_redlock.beat:RedlockScheduler"
+
+
+# `celery redlock leader`, registered by hand until the celery.commands entry point is installed.
+CLI = ("import sys; from celery.bin.celery import celery, main; "
+       "from celery_redlock.command import redlock; "
+       "'redlock' in celery.commands or celery.add_command(redlock); sys.exit(main())")
 
 
 def leader_pid(redlock: Redlock, beats: Beats, timeout: float = 10.0) -> int:
@@ -46,7 +55,8 @@ def wait_sends(records: Records, pid: int, count: int, timeout: float, after: fl
 
 @pytest.mark.timeout(90)
 def test_three_beats_send_each_slot_exactly_once(
-    beats: Beats, records: Records, redlock: Redlock, beat_worker: object
+    beats: Beats, records: Records, redlock: Redlock, beat_worker: object,
+    beat_env: dict[str, str],
 ) -> None:
     # Two choose the scheduler on the command line, one through the beat_scheduler setting.
     beats.start(2, conf=CONF, scheduler=SCHEDULER)
@@ -64,6 +74,14 @@ def test_three_beats_send_each_slot_exactly_once(
     senders = {s["pid"] for s in window}
     assert len(senders) == 1, f"more than one beat dispatched: {senders}"
     assert leader_pid(redlock, beats) in senders
+    # Anyone can ask who leads.
+    shown = subprocess.run(
+        [sys.executable, "-c", CLI, "-A", APP, "redlock", "leader"], capture_output=True,
+        text=True, timeout=30, check=False,
+        env={**os.environ, **beat_env, "PYTHONPATH": str(ROOT)},
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert f"pid {senders.pop()}," in shown.stdout
     # The real worker ran every one of them.
     records.wait_all_done()
     assert sorted(r["id"] for r in records.runs() if r["id"] in {s["id"] for s in window}) == \
