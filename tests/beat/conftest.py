@@ -30,8 +30,13 @@ POLL = 0.05
 
 
 def slot_of(t: float, period: float = 1.0) -> int:
-    """The slot a message published at ``t`` was for: the nearest period boundary."""
-    return math.floor(t / period + 0.5)
+    """The slot a RedlockScheduler message published at ``t`` was for.
+
+    Its interval ticks are aligned to the epoch and sent at or after their boundary (never
+    before: the tick is due only once the boundary has passed), so flooring tolerates up to a
+    whole period of scheduling delay on a loaded machine.
+    """
+    return math.floor(t / period)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
