@@ -146,6 +146,11 @@ class CeleryProcess:
 
     def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         """Poll the log for the ready line until ``timeout``; raise with the log if it never comes."""
+        if self.loglevel.upper() in ("WARNING", "WARN", "ERROR", "CRITICAL", "FATAL"):
+            raise CeleryProcessError(
+                f"{self!r}: readiness is read from the INFO log line; with loglevel "
+                f"{self.loglevel} start it with wait=False and wait another way (app.control.ping)"
+            )
         self.wait_for_log(self.ready_pattern, timeout, since_start=True)
 
     def wait_for_log(self, pattern: str, timeout: float = 10.0, *, since_start: bool = False,
