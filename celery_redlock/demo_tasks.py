@@ -47,6 +47,8 @@ app.conf.update(
     redlock_retry_backoff=0.05,
     redlock_retry_backoff_max=1.0,
     task_ignore_result=True,
+    # Its own queue, so on a shared real broker the demo neither eats nor is fed others' messages.
+    task_default_queue="celery_redlock_demo",
     # One message at a time per pool process, so duplicates spread over the whole fleet.
     worker_prefetch_multiplier=1,
     worker_hijack_root_logger=False,

@@ -115,3 +115,34 @@ def test_burst_holds_every_invoice_and_clusters_duplicates() -> None:
     assert sorted(ids) == sorted(i % 30 + 1 for i in range(300))
     adjacent = sum(1 for a, b in itertools.pairwise(ids) if a == b)
     assert adjacent > 50  # copies of one call arrive close together, as duplicates do
+
+
+@pytest.mark.timeout(120)
+def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[str]) -> None:
+    from celery_redlock.testing import RedisServer
+
+    with RedisServer() as broker:
+        result = subprocess.run(
+            [sys.executable, "-m", "celery_redlock", "demo", "--masters", ",".join(redlock_master_urls),
+             "--broker", broker.url, "--tasks", "40", "--invoices", "8", "--work", "0.02"],
+            cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=100, env=_env(),
+        )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "real masters given: not killing one" in out
+    assert not re.search(r"^(master|broker) ", out, re.M)  # started none of its own
+    assert _row(out, "bodies run") == "40"
+    _assert_nothing_left(out, expected=2)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tasks", "5", "--invoices", "10"], "--tasks (5) must be at least --invoices (10)"),
+    (["--workers", "0"], "must be > 0"),
+    (["--masters", ","], "expected comma-separated redis:// URLs"),
+    (["--contended", "wait"], "invalid choice: 'wait'"),
+])
+def test_demo_rejects_bad_options_by_name(args: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "celery_redlock", "demo", *args],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
