@@ -59,7 +59,6 @@ from celery.utils.imports import load_extension_class_names, symbol_by_name
 
 from .errors import ConfigError
 from .heartbeat import process_heartbeat
-from .masters import Round
 from .redlock import Lock, Redlock, lock_key
 from .settings import read_settings
 
@@ -170,19 +169,10 @@ def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
 
 
 # -- the leader record ---------------------------------------------------------------------------
-def _set_everywhere(redlock: Redlock, key: str, value: str, ttl: float) -> int:
-    command = ("SET", key, value, "PX", max(1, int(ttl * 1000)))
-    with Round(redlock.masters) as rnd:
-        outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)
-    return sum(1 for o in outcomes if o.kind == "ok")
-
-
 def read_leader(redlock: Redlock, lock_name: str) -> dict[str, Any] | None:
     """The current leader's record (hostname, pid, since, ...), if a quorum of masters agrees."""
     key = lock_key(redlock.key_prefix, lock_name) + LEADER_SUFFIX
-    with Round(redlock.masters) as rnd:
-        outcomes = rnd.call([("GET", key)] * len(redlock.masters), redlock.request_timeout)
-    counts = Counter(o.value for o in outcomes if o.kind == "ok" and o.value is not None)
+    counts = Counter(v for v in redlock.read_everywhere(key) if v is not None)
     if not counts:
         return None
     value, votes = counts.most_common(1)[0]
@@ -208,7 +198,7 @@ class LeaderLock(Lock):
 
     def announce(self, ttl: float) -> None:
         # Best effort: the record only informs people, the lock is what decides.
-        written = _set_everywhere(self.redlock, self.record_key, self._record(), ttl)
+        written = self.redlock.write_everywhere(self.record_key, self._record(), ttl)
         if written < len(self.redlock.masters):
             logger.debug("leader record %s written to %d of %d masters", self.record_key, written,
                          len(self.redlock.masters))

@@ -206,6 +206,22 @@ class Redlock:
             outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
         return self._votes(outcomes)
 
+    def write_everywhere(self, key: str, value: str, ttl: float) -> int:
+        """SET a plain (non-lock) key on every master with a TTL; returns how many accepted it.
+
+        For records that sit beside a lock (e.g. who leads a beat cluster), never for the lock.
+        """
+        command = ("SET", key, value, "PX", max(1, int(ttl * 1000)))
+        with self._round() as rnd:
+            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+        return sum(1 for o in outcomes if o.kind == "ok")
+
+    def read_everywhere(self, key: str) -> list[bytes | None]:
+        """GET a plain key from every master (None where absent, or where a master failed)."""
+        with self._round() as rnd:
+            outcomes = rnd.call([("GET", key)] * len(self.masters), self.request_timeout)
+        return [o.value if o.kind == "ok" else None for o in outcomes]
+
     def holders(self, key: str) -> int:
         """How many masters hold ``key`` at all (by any token)."""
         with self._round() as rnd:
