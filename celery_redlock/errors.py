@@ -1,16 +1,16 @@
 """The errors of celery-redlock: one base class, and the per-master account of a failed vote.
 
-Every exception here pickles from its constructor arguments alone (``__reduce__``), because
-Celery serializes a task's exception into the result backend and ``AsyncResult.get()`` rebuilds
-it on the caller's side: a ``LockNotAcquired`` raised in a worker must arrive as a
-``LockNotAcquired``, votes included.
+Every exception here keeps its constructor arguments, in JSON-friendly types, as its ``args``:
+Celery serializes a task's exception into the result backend (pickle or JSON) and
+``AsyncResult.get()`` rebuilds it as ``cls(*args)`` on the caller's side, so a
+``LockNotAcquired`` raised in a worker arrives as a ``LockNotAcquired``, votes included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 VoteKind = Literal["yes", "held", "error", "timeout"]
 
@@ -38,9 +38,6 @@ class Vote:
 class RedlockError(Exception):
     """Base class of every error celery-redlock raises."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (self.__class__, self.args)
-
 
 class ConfigError(RedlockError, ValueError):
     """A setting or argument is invalid; the message names it and the bad value."""
@@ -51,13 +48,15 @@ class LockNotAcquired(RedlockError):
 
     ``votes`` holds one :class:`Vote` per master from the last attempt; ``elapsed`` is how long that
     attempt took and ``validity`` what would have been left of the TTL (seconds).
+
+    ``args`` are exactly the constructor's arguments, in plain types: Celery's JSON result backend
+    rebuilds an exception as ``cls(*args)``, and the votes must survive that trip.
     """
 
     def __init__(
         self,
         resource: str,
         votes: Sequence[Vote | dict[str, str]] = (),
-        *,
         attempts: int = 1,
         elapsed: float = 0.0,
         validity: float = 0.0,
@@ -71,14 +70,16 @@ class LockNotAcquired(RedlockError):
         self.elapsed = elapsed
         self.validity = validity
         self.quorum = quorum
-        super().__init__(self._message())
+        super().__init__(resource, [v.as_dict() for v in self.votes], attempts, elapsed, validity,
+                         quorum)
 
-    def _message(self) -> str:
+    def __str__(self) -> str:
         yes = sum(1 for v in self.votes if v.kind == "yes")
         lines = [
             f"lock {self.resource!r} not acquired after {self.attempts} attempt(s): "
             f"{yes} of {len(self.votes)} masters granted it, quorum is {self.quorum}; "
-            f"last attempt took {self.elapsed * 1000:.1f} ms, validity {self.validity * 1000:.1f} ms"
+            f"last attempt took {self.elapsed * 1000:.1f} ms, "
+            f"validity {self.validity * 1000:.1f} ms"
         ]
         lines += [f"  {vote}" for vote in self.votes]
         return "\n".join(lines)
@@ -88,18 +89,6 @@ class LockNotAcquired(RedlockError):
         """True when the masters that refused did so because another token holds the key."""
         return any(v.kind == "held" for v in self.votes)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_not_acquired, (self.resource, [v.as_dict() for v in self.votes],
-                                        self.attempts, self.elapsed, self.validity, self.quorum))
-
-
-def _rebuild_not_acquired(
-    resource: str, votes: list[dict[str, str]], attempts: int, elapsed: float,
-    validity: float, quorum: int,
-) -> LockNotAcquired:
-    return LockNotAcquired(resource, votes, attempts=attempts, elapsed=elapsed,
-                           validity=validity, quorum=quorum)
-
 
 class LockLost(RedlockError):
     """A lock this process held is no longer held: it expired, or an extension lost the quorum."""
@@ -107,7 +96,7 @@ class LockLost(RedlockError):
     def __init__(self, resource: str, reason: str = "") -> None:
         self.resource = resource
         self.reason = reason
-        super().__init__(f"lock {resource!r} lost" + (f": {reason}" if reason else ""))
+        super().__init__(resource, reason)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (self.__class__, (self.resource, self.reason))
+    def __str__(self) -> str:
+        return f"lock {self.resource!r} lost" + (f": {self.reason}" if self.reason else "")

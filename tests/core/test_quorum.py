@@ -183,3 +183,21 @@ def test_timeout_bounds_a_blocking_acquire(rl: Redlock) -> None:
     assert not rl.lock("bounded").acquire(timeout=0.5)
     assert 0.4 < time.monotonic() - started < 2.0
     holder.release()
+
+
+def test_errors_survive_a_json_round_trip(rl: Redlock) -> None:
+    """Celery's JSON result backend keeps an exception's args and rebuilds it as cls(*args)."""
+    import json
+
+    first = rl.lock("json", ttl=10)
+    assert first.acquire(blocking=False)
+    second = rl.lock("json", ttl=10)
+    assert not second.acquire(blocking=False)
+    original = second.last_error
+    assert original is not None
+    rebuilt = LockNotAcquired(*json.loads(json.dumps(original.args)))
+    assert rebuilt.votes == original.votes and str(rebuilt) == str(original)
+    assert rebuilt.held_by_other
+    lost = LockLost(*json.loads(json.dumps(LockLost("json", "expired").args)))
+    assert str(lost) == "lock 'json' lost: expired"
+    first.release()
