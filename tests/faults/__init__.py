@@ -4,6 +4,8 @@ Layout (one job per module):
 
 - ``register``: the shared register and history, kept on a separate server that no fault touches;
 - ``client``: one workload client (a thread, or a process via ``python -m <pkg>.client``);
+- ``celery_app`` and ``celery_workload``: the Celery variant, ``RedlockTask`` runs in real
+  prefork workers fed by a producer;
 - ``checker``: mutual exclusion, lost updates and quorum, from the recorded history alone;
 - ``cluster``: five real masters (persistent or not, some under libfaketime), proxies per client
   group, the register server;

@@ -30,6 +30,7 @@ class Nemesis:
     ttl: float
     stop: threading.Event = field(default_factory=threading.Event)
     pids: dict[str, int] = field(default_factory=dict)  # process clients, by name
+    workers: list[Any] = field(default_factory=list)  # CeleryWorker processes
     log: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     _mutex: threading.Lock = field(default_factory=threading.Lock)
@@ -103,7 +104,7 @@ class Nemesis:
         register; resume it once another client has written that resource."""
         if not self.pids:
             raise RuntimeError("the client-pause nemesis needs process clients")
-        seen = len(self.register.records(EVENTS))
+        seen = self.register.count(EVENTS)
         self.register.request_pause()
         paused = self._wait_for(lambda: self._new_event(seen, "paused"), 5 * self.ttl)
         if paused is None:
@@ -122,9 +123,36 @@ class Nemesis:
                   f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT")
         self._wait_for(lambda: self._new_event(seen, "resumed"), 10.0)
 
-    def _new_event(self, seen: int, kind: str) -> dict[str, Any] | None:
-        for event in self.register.records(EVENTS)[seen:]:
-            if event["kind"] == kind:
+    def pause_worker_child(self, victims: Sequence[int] = ()) -> None:
+        """SIGSTOP a Celery worker child while its task holds a lock (before the task writes),
+        and SIGCONT it once another execution has written that resource."""
+        children = {pid for worker in self.workers for pid in worker.child_pids()}
+        seen = self.register.count(EVENTS)
+        holding = self._wait_for(
+            lambda: self._new_event(seen, "holding", lambda e: e["pid"] in children), 5 * self.ttl)
+        if holding is None:
+            self.note("worker child pause", "no task held a lock in time; skipped")
+            return
+        pid = int(holding["pid"])
+        os.kill(pid, signal.SIGSTOP)
+        self.register.record({**holding, "kind": "paused", "t": time.monotonic()}, key=EVENTS)
+        if self._wait_for(lambda: _stopped(pid) or None, 5.0) is None:
+            os.kill(pid, signal.SIGCONT)
+            raise RuntimeError(f"worker child {pid} did not stop")
+        resource = holding["resource"]
+        start_length = self.register.log_length(resource)
+        taken = self._wait_for(
+            lambda: self.register.log_length(resource) > start_length or None, 10 * self.ttl)
+        os.kill(pid, signal.SIGCONT)
+        self.note("worker child pause", f"{holding['client']} held {resource}; "
+                  f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT")
+        self._wait_for(lambda: self._new_event(
+            seen, "checked", lambda e: e["token"] == holding["token"]), 10.0)
+
+    def _new_event(self, seen: int, kind: str,
+                   match: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any] | None:
+        for event in self.register.records(EVENTS, seen):
+            if event["kind"] == kind and match(event):
                 return event
         return None
 

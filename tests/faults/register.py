@@ -15,6 +15,7 @@ import redis
 
 HISTORY = "history"  # one JSON record per hold and one summary per client
 EVENTS = "events"  # client-pause events: paused, resumed
+CELERY_FAILURES = "celery-failures"  # hash: reason -> failed attempts of RedlockTask runs
 PAUSE_REQUEST = "pause-request"  # set by the nemesis; the next process client holding a lock takes it
 
 
@@ -49,8 +50,11 @@ class Register:
     def record(self, entry: dict[str, Any], key: str = HISTORY) -> None:
         self.client.rpush(key, json.dumps(entry))
 
-    def records(self, key: str = HISTORY) -> list[dict[str, Any]]:
-        return [json.loads(raw) for raw in self.client.lrange(key, 0, -1)]
+    def records(self, key: str = HISTORY, start: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.client.lrange(key, start, -1)]
+
+    def count(self, key: str = HISTORY) -> int:
+        return int(self.client.llen(key))
 
     def request_pause(self) -> None:
         self.client.set(PAUSE_REQUEST, "1")

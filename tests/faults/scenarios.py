@@ -13,6 +13,7 @@ restart, a fast clock) lets the other group in while the holder still holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -20,16 +21,18 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .celery_workload import CONCURRENCY, celery_workers, produce
 from .checker import Report, check
 from .client import ClientConfig, run_client
 from .cluster import Cluster, ClusterSpec
 from .nemesis import Nemesis
-from .register import EVENTS, Register
+from .register import CELERY_FAILURES, EVENTS, Register
 
 SHARED_ONLY_ON_2 = {0: (3, 4), 1: (0, 1)}
 
@@ -52,6 +55,7 @@ class Scenario:
     abandon: float = 0.05
     extend: float = 0.2
     limit: str = ""  # for a violation: the known limit and the operator rule that avoids it
+    celery_workers: int = 0  # > 0: the workload is RedlockTask runs in real prefork workers
 
 
 SCENARIOS: list[Scenario] = [
@@ -93,6 +97,10 @@ SCENARIOS: list[Scenario] = [
              cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, persistent=True),
              faults=["kill_fsync"], victims=[2], threads=2, processes=0, resources=1, ttl=2.0,
              hold=(0.3, 0.7), abandon=0.0, available=False),
+    Scenario("celery", "RedlockTask in 2 prefork workers x 2 children: masters killed and "
+             "paused, a worker child SIGSTOPped while holding",
+             faults=["kill_delayed", "pause_master", "pause_worker_child"], celery_workers=2,
+             threads=0, processes=0, hold=(0.3, 0.6)),
 ]
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
@@ -129,7 +137,7 @@ class Result:
 
     def _client_pause_problems(self) -> list[str]:
         found = []
-        resumed = {e["token"]: e for e in self.events if e["kind"] == "resumed"}
+        resumed = {e["token"]: e for e in self.events if e["kind"] in ("resumed", "checked")}
         for event in self.events:
             if event["kind"] != "paused":
                 continue
@@ -149,6 +157,10 @@ class Result:
     report_holds: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 def availability_bound(scenario: Scenario) -> float:
     """A lock abandoned by a crashed (or paused) holder is free again one TTL later; allow one more
     TTL for rounds that split the votes, and half a second for reconnecting to a master that
@@ -164,10 +176,22 @@ def _package_root() -> Path:
 
 def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
     rng = random.Random(f"{seed}:{scenario.name}")
-    with Cluster(scenario.cluster) as cluster:
+    with Cluster(scenario.cluster) as cluster, contextlib.ExitStack() as stack:
         register = Register(cluster.register.url)
-        until = time.monotonic() + duration
+        nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()),
+                          scenario.ttl)
+        stack.callback(nemesis.register.close)
+        stack.callback(nemesis.stop.set)
         resources = [f"res{i}" for i in range(scenario.resources)]
+        key_prefix = f"faults:{scenario.name}:"
+        broker = cluster.register.url.rsplit("/", 1)[0] + "/1"
+        queue = f"faults-{uuid.uuid4().hex[:8]}"
+        if scenario.celery_workers:
+            nemesis.workers = stack.enter_context(celery_workers(
+                scenario.celery_workers, package=__package__, root=_package_root(), broker=broker,
+                register=cluster.register.url, masters=cluster.urls(0), ttl=scenario.ttl,
+                key_prefix=key_prefix, queue=queue))
+        until = time.monotonic() + duration
         configs = []
         for group in range(scenario.cluster.groups):
             for kind, count in (("t", scenario.threads), ("p", scenario.processes)):
@@ -177,9 +201,7 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                         register=cluster.register.url, resources=resources, until=until,
                         seed=rng.randrange(2**32), ttl=scenario.ttl, hold=scenario.hold,
                         abandon=scenario.abandon, extend=scenario.extend,
-                        key_prefix=f"faults:{scenario.name}:", pausable=kind == "p"))
-        nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()),
-                          scenario.ttl)
+                        key_prefix=key_prefix, pausable=kind == "p"))
         processes: dict[str, subprocess.Popen[bytes]] = {}
         threads: list[threading.Thread] = []
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -201,6 +223,9 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                     kwargs={"victims": scenario.victims, "concurrent": scenario.concurrent},
                     name="nemesis")
                 nemesis_thread.start()
+            if scenario.celery_workers:
+                produce(broker, queue, register, resources, scenario.hold, scenario.ttl, until,
+                        rng, outstanding=4 * scenario.celery_workers * CONCURRENCY)
             for thread in threads:
                 thread.join(duration + 30)
             for proc in processes.values():
@@ -215,12 +240,16 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                     os.kill(proc.pid, signal.SIGCONT)
                     proc.kill()
                     proc.wait(10)
+        stack.close()  # workers stop first (warm shutdown: running bodies finish and record)
         records = register.records()
+        failures = register.client.hgetall(CELERY_FAILURES)
+        if failures:
+            records.append({"kind": "summary", "client": "celery",
+                            "failures": {_text(k): int(v) for k, v in failures.items()}})
         logs = {r: [value for value, _ in register.log(r)] for r in resources}
         counters = {r: register.read(r) for r in resources}
         events = register.records(EVENTS)
         register.close()
-        nemesis.register.close()
     result = Result(scenario, duration, seed, check(records, logs, counters), events,
                     nemesis.log, dict(nemesis.counts))
     result.report_holds = [r for r in records if r["kind"] == "hold"]

@@ -1,6 +1,6 @@
 """The short fault run, part of the normal test command: every scenario for a few seconds.
 
-``FAULTS_SECONDS`` (default 12) sets each scenario's length and ``FAULTS_SEED`` (default 7) the
+``FAULTS_SECONDS`` (default 11) sets each scenario's length and ``FAULTS_SEED`` (default 7) the
 seed; the long run with the figures table is ``python -m tests.faults.run`` (see ``run.py``).
 """
 
@@ -14,7 +14,7 @@ import pytest
 from .run import details
 from .scenarios import SCENARIOS, Scenario, run_scenario
 
-SECONDS = float(os.environ.get("FAULTS_SECONDS", "12"))
+SECONDS = float(os.environ.get("FAULTS_SECONDS", "11"))
 SEED = int(os.environ.get("FAULTS_SEED", "7"))
 
 

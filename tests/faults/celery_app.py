@@ -1,0 +1,106 @@
+"""The Celery variant's app: real ``celery worker`` processes run ``faults.rmw`` as a RedlockTask.
+
+Configured from the environment so the workers and the runner build the same app:
+``FAULTS_BROKER``, ``FAULTS_REGISTER`` (the register server), ``FAULTS_MASTERS`` (comma-separated),
+``FAULTS_TTL``, ``FAULTS_KEY_PREFIX`` and ``FAULTS_QUEUE``.
+
+The task records its hold like a workload client does. Its lock is kept alive by the heartbeat
+thread of the worker child, so a hold ends only when the body returns, or when the child is
+stopped (SIGSTOP) for longer than the TTL: then ``ensure()`` raises before the write.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from celery import Celery
+
+from celery_redlock import LockLost, RedlockTask
+from celery_redlock import signals as lock_signals
+
+from .client import failure_reason
+from .register import CELERY_FAILURES, EVENTS, Register
+
+TTL = float(os.environ.get("FAULTS_TTL", "1.0"))
+SAMPLE = 0.02  # how often the work looks at the lock's validity
+
+app = Celery("faults", broker=os.environ.get("FAULTS_BROKER", "redis://127.0.0.1:1/1"))
+app.conf.update(
+    redlock_masters=os.environ.get("FAULTS_MASTERS") or None,
+    redlock_ttl=TTL,
+    redlock_key_prefix=os.environ.get("FAULTS_KEY_PREFIX", "faults:celery:"),
+    redlock_retry_backoff=0.05,
+    redlock_retry_backoff_max=0.3,
+    task_default_queue=os.environ.get("FAULTS_QUEUE", "faults"),
+    task_ignore_result=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+)
+
+_local = threading.local()
+_register: Register | None = None
+_register_pid = 0
+
+
+def register() -> Register:
+    global _register, _register_pid
+    if _register is None or _register_pid != os.getpid():
+        _register = Register(os.environ.get("FAULTS_REGISTER", "redis://127.0.0.1:1/0"))
+        _register_pid = os.getpid()
+    return _register
+
+
+@lock_signals.lock_acquired.connect  # type: ignore[untyped-decorator]
+def _note_acquired(sender: Any = None, token: str = "", validity: float = 0.0,
+                   **_: Any) -> None:
+    now = time.monotonic()
+    lock = sender.redlock
+    _local.acquired = (token, now, now + validity,
+                       sum(1 for v in lock.last_votes if v.kind == "yes"), lock.redlock.quorum)
+
+
+@lock_signals.lock_contended.connect  # type: ignore[untyped-decorator]
+def _note_contended(sender: Any = None, error: Any = None, **_: Any) -> None:
+    register().client.hincrby(CELERY_FAILURES, failure_reason(error), 1)
+
+
+@app.task(base=RedlockTask, bind=True, name="faults.rmw",  # type: ignore[untyped-decorator]
+          lock_key="res:<resource>")
+def rmw(self: Any, resource: str, hold: float) -> None:
+    lock = self.redlock
+    token, t_acquired, validity_end, yes, quorum = _local.acquired
+    assert token == lock.token, "lock_acquired was not sent for this execution's lock"
+    reg = register()
+    client = f"{self.request.hostname}/{os.getpid()}"
+    record: dict[str, Any] = {
+        "kind": "hold", "client": client, "resource": resource, "token": token,
+        "t_acquired": t_acquired, "validity_end": validity_end, "t_released": None,
+        "yes": yes, "quorum": quorum, "wrote": False, "lost": "", "pid": os.getpid(),
+    }
+    reg.record({"kind": "holding", "client": client, "pid": os.getpid(), "resource": resource,
+                "token": token, "t": time.monotonic()}, key=EVENTS)
+    owned, raised = True, ""
+    try:
+        lock.ensure()
+        value = reg.read(resource)
+        # The work, between read and write. The heartbeat moves the validity on meanwhile; the
+        # window ends where the holder last saw it end while it still owned the lock.
+        done = time.monotonic() + hold
+        while time.monotonic() < done:
+            if lock.owned():
+                record["validity_end"] = max(record["validity_end"],
+                                             time.monotonic() + lock.validity)
+            time.sleep(min(SAMPLE, max(0.0, done - time.monotonic())))
+        owned = lock.owned()
+        lock.ensure()
+        reg.write(resource, value + 1, f"{client}:{token}")
+        record["wrote"] = True
+    except LockLost as exc:
+        record["lost"] = raised = f"LockLost: {exc.reason}"
+    record["t_released"] = time.monotonic()  # the body is done; after_return releases
+    reg.record(record)
+    reg.record({"kind": "checked", "client": client, "token": token, "t": time.monotonic(),
+                "owned": owned, "ensure_raised": raised}, key=EVENTS)
