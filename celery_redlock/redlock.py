@@ -185,7 +185,11 @@ class Redlock:
                 if any(late):
                     rnd.call(late, 0.0)
                 return validity, votes, elapsed
-            rnd.call([release] * len(self.masters), self.request_timeout)
+            # A master that answered "held" refused our SET: nothing of ours is there to delete.
+            # Every other one (yes, error, timeout) may hold our token and gets the release.
+            retract = [None if v.kind == "held" else release for v in votes]
+            if any(retract):
+                rnd.call(retract, self.request_timeout)
         return min(validity, 0.0), votes, elapsed
 
     def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
@@ -251,11 +255,23 @@ class Lock:
         self._lost_reason = ""
         self._op = threading.Lock()
         self.last_votes: list[Vote] = []
-        self.last_error: LockNotAcquired | None = None
+        self._failure: tuple[Any, ...] | None = None
+        self._last_error: LockNotAcquired | None = None
 
     def __repr__(self) -> str:
         state = f"owned, {self.validity:.3f}s left" if self.owned() else "not owned"
         return f"<Lock {self.name!r} ttl={self.ttl}s {state}>"
+
+    @property
+    def last_error(self) -> LockNotAcquired | None:
+        """Why the last acquisition failed (None after a success)."""
+        if self._last_error is None and self._failure is not None:
+            votes, attempts, elapsed, validity = self._failure
+            self._last_error = LockNotAcquired(
+                self.name, votes, attempts=attempts, elapsed=elapsed, validity=validity,
+                quorum=self.redlock.quorum,
+            )
+        return self._last_error
 
     @property
     def token(self) -> str | None:
@@ -305,14 +321,13 @@ class Lock:
                     self._token = token
                     self._valid_until = time.monotonic() + validity
                     self._lost_reason = ""
-                    self.last_error = None
+                    self._failure = self._last_error = None
                     logger.debug("acquired %s in %.2f ms (validity %.3f s)", self.key,
                                  elapsed * 1000, validity)
                     return True
-            self.last_error = LockNotAcquired(
-                self.name, votes, attempts=attempts, elapsed=elapsed, validity=validity,
-                quorum=redlock.quorum,
-            )
+            # Built only when asked for: a contended loop fails far more often than it looks.
+            self._failure = (votes, attempts, elapsed, validity)
+            self._last_error = None
             if not blocking:
                 return False
             delay = random.uniform(0, redlock.retry_delay)
