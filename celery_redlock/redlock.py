@@ -144,20 +144,13 @@ class Redlock:
     def _round(self) -> Round:
         return Round(self.masters)
 
-    def _votes(self, outcomes: Sequence[Outcome]) -> list[Vote]:
+    def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> list[Vote]:
+        """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
+        does not (the key is someone else's, or gone), else the error or timeout."""
         votes = []
         for master, outcome in zip(self.masters, outcomes, strict=True):
             if outcome.kind == "ok":
-                granted = outcome.value[0] == 1 if isinstance(outcome.value, list) else (
-                    outcome.value == 1
-                )
-                if granted:
-                    votes.append(Vote(master.name, "yes"))
-                else:
-                    detail = ""
-                    if isinstance(outcome.value, list) and int(outcome.value[1]) >= 0:
-                        detail = f"expires in {int(outcome.value[1])} ms"
-                    votes.append(Vote(master.name, "held", detail))
+                votes.append(Vote(master.name, "yes" if outcome.value == granted else "held"))
             else:
                 votes.append(Vote(master.name, outcome.kind, outcome.detail))
         return votes
@@ -168,13 +161,12 @@ class Redlock:
         On failure every master is sent the release on the link the acquire used, so a late
         write is always followed by its deletion.
         """
-        ttl_ms = int(ttl * 1000)
-        acquire = evalsha(scripts.ACQUIRE, [key], [token, ttl_ms])
+        acquire = ("SET", key, token, "NX", "PX", int(ttl * 1000))
         with self._round() as rnd:
             t_start = time.monotonic()
             outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
             elapsed = time.monotonic() - t_start
-            votes = self._votes(outcomes)
+            votes = self._votes(outcomes, granted=b"OK")
             granted = sum(1 for v in votes if v.kind == "yes")
             validity = ttl - elapsed - self.drift(ttl)
             release = evalsha(scripts.RELEASE, [key], [token])
