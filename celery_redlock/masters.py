@@ -40,8 +40,10 @@ logger = logging.getLogger("celery_redlock.masters")
 Command = tuple[Any, ...]
 _IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
-# A master whose connection attempt failed is not tried again for this long, so a black-holed
-# master costs one request_timeout per interval rather than one per operation.
+# A master whose connection attempt *timed out* is not tried again for this long, so a
+# black-holed or paused master costs one request_timeout per interval rather than one per
+# operation. A refused connection costs microseconds and is simply tried again next time, so a
+# restarted master rejoins at once.
 RECONNECT_INTERVAL = 0.5
 # Links to a master that stopped answering pile up while each one waits for its late replies;
 # past this many, the oldest is closed.
@@ -207,9 +209,11 @@ class Master:
                 conn.read_response()
         except (*_IO_ERRORS, ResponseError) as exc:
             conn.disconnect()
-            self._down_until = time.monotonic() + RECONNECT_INTERVAL
-            self._down_reason = f"{type(exc).__name__}: {exc}"
-            raise RedisConnectionError(self._down_reason) from exc
+            reason = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() - now >= self._options["socket_connect_timeout"] / 2:
+                self._down_until = time.monotonic() + RECONNECT_INTERVAL
+                self._down_reason = reason
+            raise RedisConnectionError(reason) from exc
         return Link(conn)
 
     def give_back(self, link: Link) -> None:

@@ -151,3 +151,19 @@ def test_restarted_master_rejoins(masters: ServerSet, fresh: Redlock) -> None:
         assert time.monotonic() < deadline, lock.last_votes
         time.sleep(0.05)
     fresh.close()
+
+
+def test_a_refused_master_rejoins_without_a_cool_down(masters: ServerSet, fresh: Redlock) -> None:
+    """Refusals are cheap, so they carry no reconnect cool-down: the first round after the
+    master is back (past the one that finds the dead connection) counts its vote."""
+    masters[3].kill()
+    lock = fresh.lock("refused", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert lock.last_votes[3].kind == "error"
+    lock.release()
+    masters[3].start()
+    lock = fresh.lock("refused", ttl=5)
+    assert lock.acquire(blocking=False)
+    assert lock.last_votes[3].kind == "yes", lock.last_votes[3]
+    lock.release()
+    fresh.close()
