@@ -217,8 +217,17 @@ class RedlockTaskMixin:
                 parent(status, retval, task_id, args, kwargs, einfo)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, releasing the lock first so the retried run can take it."""
+        """Celery's retry, releasing the lock first so the retried run can take it.
+
+        The retried run starts its lock attempts afresh: the lock retries this run needed
+        before it got in are not charged to the next one's ``lock_max_retries``.
+        """
         self._redlock_finish("RETRY")
+        if _header(self.request, ATTEMPT_HEADER):
+            headers = dict(getattr(self.request, "headers", None) or {})
+            headers.update(kwargs.get("headers") or {})
+            headers[ATTEMPT_HEADER] = 0
+            kwargs["headers"] = headers
         return super().retry(*args, **kwargs)  # type: ignore[misc]
 
     # -- the work ---------------------------------------------------------------------------------

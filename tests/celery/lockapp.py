@@ -136,6 +136,20 @@ def own_retry(self: RedlockTask, key: str, record_to: str) -> int:
     return int(self.request.retries)
 
 
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", max_retries=1,
+          name="lockapp.waits_then_retries")
+def waits_then_retries(self: RedlockTask, key: str, record_to: str) -> int:
+    """Waits for the lock by lock retries, then spends its own single retry; records the lock
+    attempt count each run carries, which must start afresh for the task's own retry."""
+    attempt = getattr(self.request, "redlock_attempt", None)
+    if attempt is None:
+        attempt = (self.request.headers or {}).get("redlock_attempt")
+    record(record_to, event="run", key=key, retries=self.request.retries, attempt=attempt or 0)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0)
+    return int(self.request.retries)
+
+
 @app.task(bind=True, base=RedlockTask, lock_key="slot:<key>", lock_slot=60.0,
           lock_release="on_expiry", lock_contended="skip", lock_ttl=20.0, name="lockapp.per_slot")
 def per_slot(self: RedlockTask, key: str, record_to: str) -> str:

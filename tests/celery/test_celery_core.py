@@ -144,3 +144,22 @@ def test_lock_retries_leave_the_tasks_own_retry_budget(lockapp: Any, pool: Pool,
     retried = lockapp.own_retry.apply_async((f"{tag}-own", f"{tag}-own"), queue=queue)
     assert retried.get(timeout=20) == 1
     assert [r["retries"] for r in records(lockapp, f"{tag}-own")] == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+) -> None:
+    _, queue, _ = pool
+    with Redlock(redlock_master_urls) as holder:
+        lock = holder.lock(f"res:{tag}", ttl=30)
+        assert lock.acquire(blocking=False)
+        result = lockapp.waits_then_retries.apply_async((tag, tag), queue=queue)
+        wait_for(lambda: len([r for r in records(lockapp, "signals:contended")
+                              if r["key"] == f"res:{tag}"]) >= 2, 20, "two lock retries")
+        lock.release()
+    assert result.get(timeout=20) == 1
+    runs = records(lockapp, tag)
+    assert [r["retries"] for r in runs] == [0, 1]
+    assert runs[0]["attempt"] >= 2  # the first run got in after lock retries
+    assert runs[1]["attempt"] == 0, runs  # its own retry is not charged those lock retries
