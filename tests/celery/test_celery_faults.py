@@ -88,3 +88,60 @@ def test_one_run_per_slot_even_after_the_first_returned(lockapp: Any, pool: Pool
                                              headers={PUBLISHED_HEADER: published + 61})
     assert following.get(timeout=20).endswith("@2023-11-14T22:15:00+00:00")
     assert len(records(lockapp, tag)) == 2
+
+
+@pytest.mark.timeout(90)
+def test_revoke_with_terminate_releases_the_lock_before_its_ttl(
+    lockapp: Any, broker: RedisServer, redlock_masters: ServerSet, tag: str,
+) -> None:
+    """The terminated child's lock is released, not left to expire: with a 5 s TTL, a contender
+    gets in well before the TTL runs out."""
+    queue = f"q-revoke-{tag}"
+    env = app_env(broker.url, broker.url, redlock_masters.urls, queue)
+    with CeleryWorker("lockapp", pool="prefork", concurrency=2, queues=[queue], env=env,
+                      pythonpath=[str(HERE), str(ROOT)]):
+        result = lockapp.hold.apply_async((tag, 60.0, tag), queue=queue)  # lock TTL 5 s
+        wait_for(lambda: records(lockapp, tag), 20, "the task to start")
+        with Redlock(redlock_masters.urls) as contender:
+            lock = contender.lock(f"res:{tag}", ttl=5)
+            assert not lock.acquire(blocking=False)
+            lockapp.app.control.revoke(result.id, terminate=True)
+            revoked_at = time.monotonic()
+            assert lock.acquire(timeout=3.0), "the terminated run's lock was not released"
+            waited = time.monotonic() - revoked_at
+            lock.release()
+    assert waited < 3.0
+    assert [r["event"] for r in records(lockapp, tag)] == ["start"]
+
+
+def test_startup_checks_warn_about_weakened_locks() -> None:
+    from celery_redlock.hooks import check_app
+
+    app = Celery("checks", broker="redis://127.0.0.1:1/0", set_as_current=False)
+    app.conf.redlock_masters = ["redis://127.0.0.1:7001/0", "redis://127.0.0.1:7002/0"]
+    app.conf.broker_transport_options = {"visibility_timeout": 10}
+
+    @app.task(base=RedlockTask, lock_key="a:<n>", name="checks.late", acks_late=True,
+              lock_ttl=60.0, shared=False)
+    def late(n: int) -> int:
+        return n
+
+    @app.task(base=RedlockTask, lock_key="b:<n>", name="checks.unbeaten", lock_heartbeat=False,
+              shared=False)
+    def unbeaten(n: int) -> int:
+        return n
+
+    problems = "\n".join(check_app(app))
+    assert "2 masters is even" in problems
+    assert "'checks.late'" in problems and "visibility_timeout (10 s)" in problems
+    assert "'checks.unbeaten'" in problems and "lock_heartbeat is off" in problems
+
+    quiet = Celery("quiet", broker="amqp://127.0.0.1:1//", set_as_current=False)
+    quiet.conf.redlock_masters = ["redis://127.0.0.1:7001/0"]
+
+    @quiet.task(base=RedlockTask, lock_key="c:<n>", name="quiet.job", acks_late=True,
+                 shared=False)
+    def job(n: int) -> int:
+        return n
+
+    assert check_app(quiet) == []
