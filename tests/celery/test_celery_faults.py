@@ -18,21 +18,27 @@ from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
 
 @pytest.mark.timeout(90)
-def test_sigkill_of_the_holding_child_frees_the_lock_within_ttl(
-    lockapp: Any, broker: RedisServer, redlock_masters: ServerSet, tag: str,
+@pytest.mark.parametrize("pool_name", ["prefork", "threads"])
+def test_sigkill_of_the_holding_process_frees_the_lock_within_ttl(
+    lockapp: Any, broker: RedisServer, redlock_masters: ServerSet, tag: str, pool_name: str,
 ) -> None:
+    """The process running the body (a prefork child, or the threads-pool worker itself) dies
+    with its heartbeat: its lock expires within the TTL and the next contender proceeds."""
     queue = f"q-kill-{tag}"
     env = app_env(broker.url, broker.url, redlock_masters.urls, queue)
-    with CeleryWorker("lockapp", pool="prefork", concurrency=2, queues=[queue], env=env,
+    with CeleryWorker("lockapp", pool=pool_name, concurrency=2, queues=[queue], env=env,
                       pythonpath=[str(HERE), str(ROOT)]) as worker:
         lockapp.long_hold.apply_async((tag, 60.0, tag), queue=queue)  # TTL 0.6 s
         started = wait_for(lambda: records(lockapp, tag), 20, "the task to start")[0]
-        assert started["pid"] in worker.child_pids()
+        if pool_name == "prefork":
+            assert started["pid"] in worker.child_pids()
+        else:
+            assert started["pid"] == worker.pid
         os.kill(started["pid"], signal.SIGKILL)
         killed_at = time.monotonic()
         with Redlock(redlock_masters.urls) as contender:
             lock = contender.lock(f"res:{tag}", ttl=5)
-            assert lock.acquire(timeout=0.6 + 1.0), "the killed child's lock outlived its TTL"
+            assert lock.acquire(timeout=0.6 + 1.0), "the killed process's lock outlived its TTL"
             waited = time.monotonic() - killed_at
             lock.release()
     assert waited <= 1.6
