@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import time
 from typing import Any
 
@@ -98,6 +100,37 @@ def test_lock_lost_is_seen_by_the_body_and_the_signal(lockapp: Any, pool: Pool, 
     lost = wait_for(lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
                     5, "the lock_lost signal")
     assert lost[0]["task_id"] == result.id
+
+
+@pytest.mark.timeout(60)
+def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+) -> None:
+    """SIGSTOP the process running the body (TTL 1 s) for longer than the TTL: another client
+    takes the lock meanwhile, and the resumed body sees the loss before doing anything more."""
+    _, queue, _ = pool
+    result = lockapp.until_lost.apply_async((tag, 20.0, tag), queue=queue)
+    started = wait_for(lambda: records(lockapp, tag), 20, "the task to start")[0]
+    with Redlock(redlock_master_urls) as contender:
+        lock = contender.lock(f"res:{tag}", ttl=30)
+        os.kill(started["pid"], signal.SIGSTOP)
+        try:
+            assert lock.acquire(timeout=3.0), "the paused holder's lock did not expire"
+        finally:
+            os.kill(started["pid"], signal.SIGCONT)
+        seen = result.get(timeout=15)
+        assert "lost" in seen
+        body = [r for r in records(lockapp, tag) if r["event"] == "seen"]
+        assert body, "the body recorded nothing after resuming"
+        # The body's ensure() raised LockLost: the validity ran out while it was stopped.
+        assert "validity ran out" in body[0]["lost"], body[0]
+        lost = wait_for(
+            lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
+            5, "the lock_lost signal")
+        assert lost[0]["task_id"] == result.id
+        # The resumed holder neither extended nor released the contender's lock.
+        assert lock.extend() and lock.owned()
+        lock.release()
 
 
 @pytest.mark.timeout(60)
