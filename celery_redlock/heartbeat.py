@@ -76,14 +76,20 @@ class Heartbeat:
             raise ValueError(f"heartbeat interval must be > 0, got {every!r}")
         hold_until = None if max_hold is None else time.monotonic() + max_hold
         entry = _Entry(weakref.ref(lock), every, on_lost, hold_until, lock.token)
+        due = time.monotonic() + every
         with self._cond:
             old = self._entries.get(id(lock))
             if old is not None:
                 old.done = True
             self._entries[id(lock)] = entry
-            self._push(time.monotonic() + every, entry)
+            # The thread sleeps until the earliest due time in the queue; it needs waking only
+            # when this lock is due before that (a thread wake-up per task costs more than the
+            # rest of keep() and forget() together).
+            wake = not self._queue or due < self._queue[0].at
+            self._push(due, entry)
             self._ensure_thread()
-            self._cond.notify()
+            if wake:
+                self._cond.notify()
 
     def forget(self, lock: Lock) -> None:
         """Stop keeping ``lock`` alive (call before or after releasing it)."""
