@@ -256,10 +256,11 @@ class RedlockTaskMixin:
                     lock, interval=options.heartbeat_interval, max_hold=options.max_hold,
                     on_lost=self._redlock_on_lost(task_id, held),
                 )
-            signals.lock_acquired.send(
-                sender=self, key=name, task_id=task_id, token=lock.token, ttl=lock.ttl,
-                validity=lock.validity, elapsed=held.acquired_at - started,
-            )
+            if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens
+                signals.lock_acquired.send(
+                    sender=self, key=name, task_id=task_id, token=lock.token, ttl=lock.ttl,
+                    validity=lock.validity, elapsed=held.acquired_at - started,
+                )
             logger.debug("task %s[%s] acquired %s", self.name, task_id, name)
             return
         error = lock.last_error
@@ -339,8 +340,9 @@ class RedlockTaskMixin:
         expire = held.expire and state == SUCCESS
         if not expire:
             held.lock.release()
-        signals.lock_released.send(sender=self, key=held.lock.name, task_id=held.task_id,
-                                   held_for=held.held_for, state=state, expire=expire)
+        if signals.lock_released.receivers:
+            signals.lock_released.send(sender=self, key=held.lock.name, task_id=held.task_id,
+                                       held_for=held.held_for, state=state, expire=expire)
         logger.debug("task %s[%s] %s %s", self.name, held.task_id,
                      "left to expire" if expire else "released", held.lock.name)
 

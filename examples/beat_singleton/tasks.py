@@ -17,7 +17,7 @@ import time
 
 from celery import Celery
 
-from celery_redlock.task import RedlockTask
+from celery_redlock import RedlockTask
 
 app = Celery("beat_singleton")
 app.conf.broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")

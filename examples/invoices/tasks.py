@@ -19,7 +19,7 @@ import time
 
 from celery import Celery
 
-from celery_redlock.task import RedlockTask
+from celery_redlock import RedlockTask
 
 app = Celery("invoices")
 app.conf.broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery import Celery
 
-from celery_redlock.task import RedlockTask
+from celery_redlock import RedlockTask
 
 app = Celery("long_running")
 app.conf.broker_url = os.environ.get("CELERY_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
