@@ -10,6 +10,7 @@ Each server has the fault controls the lock tests need: ``kill`` (SIGKILL), ``pa
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import logging
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -72,6 +74,20 @@ def faketime_library() -> str:
             return candidate
     raise ServerError("clock_rate needs libfaketime (apt-get install faketime) or "
                       f"{FAKETIME_LIBRARY_ENV} naming libfaketime.so.1")
+
+
+# Every server this process started, so that an interpreter exit that skipped the context
+# managers (sys.exit from a thread, an unhandled exception in a script) still stops them.
+_started: weakref.WeakSet[RedisServer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for server in list(_started):
+        if server.running:
+            logger.warning("stopping %r at interpreter exit: it was never stopped", server)
+            server.kill()
+            shutil.rmtree(server.dir, ignore_errors=True)
 
 
 def _process_state(pid: int) -> str:
@@ -176,6 +192,7 @@ class RedisServer:
     def start(self) -> RedisServer:
         if self.running:
             return self
+        _started.add(self)
         self._proc = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, env=self._environment(),
