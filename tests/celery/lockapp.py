@@ -16,9 +16,9 @@ import time
 from typing import Any
 
 import redis
-from celery import Celery
+from celery import Celery, Task
 
-from celery_redlock import LockLost, RedlockTask
+from celery_redlock import LockLost, RedlockTask, RedlockTaskMixin
 from celery_redlock import signals as lock_signals
 
 BROKER = os.environ.get("LOCKAPP_BROKER", "redis://127.0.0.1:1/0")
@@ -148,6 +148,28 @@ def waits_then_retries(self: RedlockTask, key: str, record_to: str) -> int:
     if self.request.retries == 0:
         raise self.retry(countdown=0)
     return int(self.request.retries)
+
+
+class Audited(Task):  # type: ignore[misc]
+    """A user's own base class with lifecycle hooks of its own, for the mixin test."""
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        record(args[1], event="base-before", task_id=task_id)
+
+    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
+                     einfo: Any) -> None:
+        record(args[1], event="base-after", task_id=task_id, status=status)
+
+
+class AuditedLocked(RedlockTaskMixin, Audited):  # type: ignore[misc]
+    pass
+
+
+@app.task(bind=True, base=AuditedLocked, lock_key="res:<key>", name="lockapp.mixed")
+def mixed(self: AuditedLocked, key: str, record_to: str) -> str:
+    assert self.redlock is not None
+    record(record_to, event="body", owned=self.redlock.owned(), token=self.redlock.token)
+    return key
 
 
 @app.task(bind=True, base=RedlockTask, lock_key="slot:<key>", lock_slot=60.0,

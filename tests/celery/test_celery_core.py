@@ -196,3 +196,16 @@ def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
     assert [r["retries"] for r in runs] == [0, 1]
     assert runs[0]["attempt"] >= 2  # the first run got in after lock retries
     assert runs[1]["attempt"] == 0, runs  # its own retry is not charged those lock retries
+
+
+@pytest.mark.timeout(60)
+def test_the_mixin_composes_with_a_base_class_of_its_own(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+) -> None:
+    _, queue, _ = pool
+    assert lockapp.mixed.apply_async((tag, tag), queue=queue).get(timeout=20) == tag
+    events = records(lockapp, tag)
+    assert [e["event"] for e in events] == ["base-before", "body", "base-after"]
+    assert events[1]["owned"] and events[2]["status"] == "SUCCESS"
+    with Redlock(redlock_master_urls) as check:
+        assert not check.lock(f"res:{tag}").locked()  # released after the body
