@@ -204,8 +204,11 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
 ) -> None:
     _, queue, _ = pool
     assert lockapp.mixed.apply_async((tag, tag), queue=queue).get(timeout=20) == tag
-    events = records(lockapp, tag)
+    # The result is stored before after_return runs: wait for the base class's hook.
+    events = wait_for(lambda: [e for e in records(lockapp, tag) if e["event"] == "base-after"]
+                      and records(lockapp, tag), 10, "the base class's after_return")
     assert [e["event"] for e in events] == ["base-before", "body", "base-after"]
     assert events[1]["owned"] and events[2]["status"] == "SUCCESS"
     with Redlock(redlock_master_urls) as check:
-        assert not check.lock(f"res:{tag}").locked()  # released after the body
+        # Released by the mixin's after_return, before it hands over to the base class's.
+        assert not check.lock(f"res:{tag}").locked()
