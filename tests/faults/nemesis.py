@@ -114,14 +114,19 @@ class Nemesis:
         pid = int(paused["pid"])
         if self._wait_for(lambda: _stopped(pid) or None, 5.0) is None:
             raise RuntimeError(f"client {paused['client']} (pid {pid}) did not stop")
-        resource = paused["resource"]
+        self._resume_after_takeover(pid, paused, "client pause")
+        self._wait_for(lambda: self._new_event(seen, "resumed"), 10.0)
+
+    def _resume_after_takeover(self, pid: int, holder: dict[str, Any], what: str) -> None:
+        """SIGCONT a stopped holder once another has written its resource (or 10 TTLs passed),
+        so it resumes into a lock it no longer holds."""
+        resource = holder["resource"]
         start_length = self.register.log_length(resource)
         taken = self._wait_for(
             lambda: self.register.log_length(resource) > start_length or None, 10 * self.ttl)
         os.kill(pid, signal.SIGCONT)
-        self.note("client pause", f"{paused['client']} held {resource}; "
+        self.note(what, f"{holder['client']} held {resource}; "
                   f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT")
-        self._wait_for(lambda: self._new_event(seen, "resumed"), 10.0)
 
     def pause_worker_child(self, victims: Sequence[int] = ()) -> None:
         """SIGSTOP a Celery worker child while its task holds a lock (before the task writes),
@@ -139,13 +144,7 @@ class Nemesis:
         if self._wait_for(lambda: _stopped(pid) or None, 5.0) is None:
             os.kill(pid, signal.SIGCONT)
             raise RuntimeError(f"worker child {pid} did not stop")
-        resource = holding["resource"]
-        start_length = self.register.log_length(resource)
-        taken = self._wait_for(
-            lambda: self.register.log_length(resource) > start_length or None, 10 * self.ttl)
-        os.kill(pid, signal.SIGCONT)
-        self.note("worker child pause", f"{holding['client']} held {resource}; "
-                  f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT")
+        self._resume_after_takeover(pid, holding, "worker child pause")
         self._wait_for(lambda: self._new_event(
             seen, "checked", lambda e: e["token"] == holding["token"]), 10.0)
 
