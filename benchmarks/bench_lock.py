@@ -8,8 +8,9 @@ The script starts its own masters (``celery_redlock.testing.ServerSet``; set
 
 Uncontended: one thread, one resource, ``acquire(blocking=False)`` then ``release()``, timed per
 iteration. The *floor* is the least any client could do for the same lock: ``SET key token NX PX
-ttl`` written to every master's socket, every reply read, then the release script (EVALSHA) the same
-way, over plain redis-py connections. Redlock and floor run in alternating blocks in the same
+ttl`` written to every master's socket and every reply read, then the release script (EVAL)
+written to every socket, its replies read just before the next command on each connection (as
+Redlock does: a release is sent, not waited for), over plain redis-py connections. Redlock and floor run in alternating blocks in the same
 process, so both see the same machine load; the ratio is what the lock logic costs.
 
 Contended: ``--processes`` processes loop on one resource; a critical section is one successful
@@ -63,14 +64,18 @@ class Floor:
                 socket_timeout=FLOOR_SOCKET_TIMEOUT, socket_connect_timeout=FLOOR_SOCKET_TIMEOUT,
             )
             conn.connect()
-            conn.send_command("SCRIPT", "LOAD", lock_scripts.RELEASE.source)
-            conn.read_response()
             self.conns.append(conn)
+        self.owed: dict[redis.Connection, int] = dict.fromkeys(self.conns, 0)
+        self.released: list[Any] = []  # the replies to the last releases, once read
         self.quorum = len(self.conns) // 2 + 1
         self.ttl_ms = int(TTL * 1000)
 
     def fan_out(self, packed: list[bytes], conns: Sequence[redis.Connection]) -> list[Any]:
+        self.released = []
         for conn in conns:
+            while self.owed[conn]:
+                self.released.append(conn.read_response())
+                self.owed[conn] -= 1
             conn.send_packed_command(packed, check_health=False)
         return [conn.read_response() for conn in conns]
 
@@ -78,9 +83,11 @@ class Floor:
         packed = self.conns[0].pack_command("SET", key, token, "NX", "PX", self.ttl_ms)
         return self.fan_out(packed, self.conns)
 
-    def release(self, key: str, token: str, conns: Sequence[redis.Connection]) -> list[Any]:
-        packed = self.conns[0].pack_command("EVALSHA", lock_scripts.RELEASE.sha, 1, key, token)
-        return self.fan_out(packed, conns)
+    def release(self, key: str, token: str, conns: Sequence[redis.Connection]) -> None:
+        packed = self.conns[0].pack_command("EVAL", lock_scripts.RELEASE.source, 1, key, token)
+        for conn in conns:
+            conn.send_packed_command(packed, check_health=False)
+            self.owed[conn] += 1
 
     def try_hold(self, key: str) -> bool:
         """One contended attempt: a hold is a quorum of OKs; every OK is then released."""
@@ -127,8 +134,9 @@ def floor_step(floor: Floor, key: str) -> Callable[[], None]:
         token = secrets.token_hex(20)
         if not all(reply is not None for reply in floor.set_nx(key, token)):
             raise RuntimeError("uncontended floor SET NX was refused")
-        if floor.release(key, token, floor.conns) != [1] * len(floor.conns):
-            raise RuntimeError("uncontended floor release deleted nothing")
+        if floor.released not in ([], [1] * len(floor.conns)):
+            raise RuntimeError(f"uncontended floor release deleted nothing: {floor.released}")
+        floor.release(key, token, floor.conns)
 
     return step
 

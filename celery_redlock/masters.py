@@ -9,14 +9,23 @@ is not closed: it is marked as owing that reply, and any follow-up for the same 
 after a failed acquire, or the retraction of a late vote) is written to that *same* link, so the
 master executes it after the late command. A link that owes replies is drained before it is
 reused and is never handed to another operation while it still owes them.
+
+A release is *sent* and not waited for: its replies are owed on time, not late, and are read
+and skipped by the link's next use, before that use's own reply. The masters apply the release
+as soon as it arrives; only the acknowledgement is read later.
+
+Links are made by redis-py (TLS, AUTH, ACL users, SELECT) and then driven here, non-blocking,
+through :mod:`.wire`: one ``send`` per master, one ``poll`` for all of them, one ``recv`` per
+reply, and nothing hidden in between.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -28,17 +37,19 @@ from urllib.parse import urlparse
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from . import scripts
+from . import scripts, wire
 from .errors import ConfigError
 
 logger = logging.getLogger("celery_redlock.masters")
 
 Command = tuple[Any, ...]
-_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, wire.ProtocolError)
+_NOT_READY = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+RECV_SIZE = 65536
 
 # A master whose connection attempt *timed out* is not tried again for this long, so a
 # black-holed or paused master costs one request_timeout per interval rather than one per
@@ -59,24 +70,92 @@ class Outcome:
     detail: str = ""
 
 
-class Link:
-    """One connection to one master, and the count of replies it still owes us."""
+_NOT_SENT = Outcome("error", detail="not sent")
 
-    __slots__ = ("conn", "owed")
+
+class Link:
+    """One connection to one master, the replies it still owes us, and whether one is late.
+
+    Owed replies belong to commands whose answer nobody waits for: a release (owed on time) or
+    a command whose reply missed its deadline (late). They are read and skipped, in order,
+    before the reply of the next command on this link.
+    """
+
+    __slots__ = ("conn", "late", "owed", "reader", "sock")
+    conn: redis.Connection
+    sock: socket.socket
+    reader: wire.Reader
+    owed: int
+    late: bool
 
     def __init__(self, conn: redis.Connection) -> None:
         self.conn = conn
+        sock = conn._sock  # redis-py has no public accessor for it
+        assert sock is not None
+        # Non-blocking: our poll decides when to read, so no call here can wait on its own.
+        sock.settimeout(0.0)
+        self.sock = sock
+        self.reader = wire.Reader()
         self.owed = 0
+        self.late = False
+
+    def send(self, packed: bytes, deadline: float) -> None:
+        try:
+            sent = self.sock.send(packed)
+        except _NOT_READY:
+            sent = 0
+        if sent < len(packed):
+            self._send_rest(memoryview(packed)[sent:], deadline)
+
+    def _send_rest(self, data: memoryview, deadline: float) -> None:
+        # Only when the socket buffer is full, i.e. the master has stopped reading.
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLOUT)
+        while data:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not poller.poll(remaining * 1000):
+                raise RedisTimeoutError("the master stopped reading; command not sent in time")
+            try:
+                data = data[self.sock.send(data):]
+            except _NOT_READY:
+                continue
+
+    def fill(self) -> None:
+        """Take whatever bytes have arrived, without waiting."""
+        try:
+            data = self.sock.recv(RECV_SIZE)
+        except _NOT_READY:
+            return
+        if not data:
+            raise RedisConnectionError("the master closed the connection")
+        self.reader.feed(data)
+        # TLS: bytes already decrypted sit inside the SSL object, where poll cannot see them.
+        pending = getattr(self.sock, "pending", None)
+        while pending is not None and pending():
+            self.reader.feed(self.sock.recv(RECV_SIZE))
+
+    def skip_owed(self) -> bool:
+        """Skip the owed replies already read in; True once none is owed."""
+        while self.owed:
+            skipped = self.reader.get()
+            if skipped is wire.NOTHING:
+                return False
+            self.owed -= 1
+            if isinstance(skipped, wire.ReplyError):
+                logger.debug("a command nobody waited for failed: %s", skipped)
+        self.late = False
+        return True
+
+    def reply(self) -> Any:
+        """This link's next own reply, once the owed ones are skipped, or ``wire.NOTHING``."""
+        if self.owed and not self.skip_owed():
+            return wire.NOTHING
+        return self.reader.get()
 
     def drain(self) -> bool:
         """Read late replies that have already arrived; True when nothing is owed any more."""
-        while self.owed:
-            if not self.conn.can_read(timeout=0):
-                return False
-            with contextlib.suppress(ResponseError):
-                self.conn.read_response()
-            self.owed -= 1
-        return True
+        self.fill()
+        return self.skip_owed()
 
     def close(self) -> None:
         try:
@@ -97,6 +176,7 @@ def _connection_options(
         retry_on_error=[],
         health_check_interval=0,
         socket_keepalive=True,
+        protocol=2,  # wire.Reader parses RESP2
     )
     if issubclass(connection_class, redis.UnixDomainSocketConnection):
         options.pop("socket_keepalive", None)
@@ -170,7 +250,7 @@ class Master:
                     self._down_until = 0.0
 
     def take_idle(self) -> Link | None:
-        """An idle link that owes nothing, if one is ready."""
+        """An idle link with no late reply, if one is ready (it may owe replies on time)."""
         if self._pid != os.getpid():
             self._after_fork()
         if not self._owing:
@@ -195,7 +275,7 @@ class Master:
             return self._idle.pop() if self._idle else None
 
     def connect(self) -> Link:
-        """A new link: connects and loads the scripts; raises ``ConnectionError`` if it cannot."""
+        """A new link (connected, authenticated); raises ``ConnectionError`` if it cannot be."""
         now = time.monotonic()
         if now < self._down_until:
             raise RedisConnectionError(f"not retried until the last failure cools down: "
@@ -203,10 +283,6 @@ class Master:
         conn = self._connection_class(**self._options)
         try:
             conn.connect()
-            for script in scripts.ALL:
-                conn.send_command("SCRIPT", "LOAD", script.source)
-            for _ in scripts.ALL:
-                conn.read_response()
         except (*_IO_ERRORS, ResponseError) as exc:
             conn.disconnect()
             reason = f"{type(exc).__name__}: {exc}"
@@ -219,11 +295,11 @@ class Master:
     def give_back(self, link: Link) -> None:
         if self._pid != os.getpid():
             return
-        if not link.owed:
+        if not link.late:
             self._idle.append(link)
             return
         with self._mutex:
-            if link.owed:
+            if link.late:
                 self._owing.append(link)
                 if len(self._owing) > MAX_OWING_LINKS:
                     self._owing.pop(0).close()
@@ -286,15 +362,37 @@ class Round:
     def call(self, commands: Sequence[Command | None], timeout: float) -> list[Outcome]:
         """Send ``commands[i]`` to master i (None: skip it) and read the replies by one deadline.
 
-        A link that still owes a reply from an earlier call in this round gets the command too,
-        queued behind the late one, but is not waited for again: its outcome is ``timeout``.
+        A link with a late reply gets the command too, queued behind the late one, but is not
+        waited for again: its outcome is ``timeout``.
         """
         deadline = time.monotonic() + timeout
-        outcomes: list[Outcome] = [Outcome("error", detail="not sent")] * len(commands)
+        outcomes: list[Outcome] = [_NOT_SENT] * len(commands)
         waiting: list[int] = []
+        for i, link in self._send(commands, deadline, outcomes):
+            if link.late:
+                link.owed += 1
+                outcomes[i] = Outcome("timeout", detail="queued behind a reply that is late")
+            else:
+                waiting.append(i)
+        if waiting:
+            self._collect(waiting, deadline, outcomes)
+        return outcomes
+
+    def send(self, commands: Sequence[Command | None], timeout: float) -> None:
+        """Send ``commands[i]`` to master i and do not wait: each link owes the reply.
+
+        For a release: the master applies it on arrival, and the link's next use skips the reply.
+        """
+        outcomes: list[Outcome] = [_NOT_SENT] * len(commands)
+        for _, link in self._send(commands, time.monotonic() + timeout, outcomes):
+            link.owed += 1
+
+    def _send(self, commands: Sequence[Command | None], deadline: float,
+              outcomes: list[Outcome]) -> list[tuple[int, Link]]:
+        sent = []
         # The same command object goes to every master: pack it once, not once per master.
         last: Command | None = None
-        packed: Any = None
+        packed = b""
         for i, command in enumerate(commands):
             if command is None:
                 continue
@@ -304,32 +402,27 @@ class Round:
                 continue
             try:
                 if command is not last:
-                    packed, last = link.conn.pack_command(*command), command
-                link.conn.send_packed_command(packed, check_health=False)
+                    packed, last = wire.pack(command), command
+                if link.owed and not link.late:
+                    # Owed replies that are already here are read now, so that the poll below
+                    # does not wake for them.
+                    link.fill()
+                link.send(packed, deadline)
             except _IO_ERRORS as exc:
                 outcomes[i] = self._drop(i, exc)
                 continue
-            if link.owed:
-                link.owed += 1
-                outcomes[i] = Outcome("timeout", detail="queued behind a reply that is late")
-            else:
-                waiting.append(i)
-        if waiting:
-            self._read_ready(waiting, commands, deadline, outcomes)
-        return outcomes
+            sent.append((i, link))
+        return sent
 
-    def _read_ready(self, waiting: list[int], commands: Sequence[Command | None], deadline: float,
-                    outcomes: list[Outcome]) -> None:
+    def _collect(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:
         # One poll over every socket that owes us a reply, then read whichever are ready: a
-        # syscall per round instead of three per master.
+        # syscall per round plus one recv per reply.
         poller = select.poll()
         by_fd: dict[int, int] = {}
         for i in waiting:
             link = self.links[i]
             assert link is not None
-            sock = link.conn._sock  # redis-py has no public accessor for it
-            assert sock is not None
-            fd = sock.fileno()
+            fd = link.sock.fileno()
             by_fd[fd] = i
             poller.register(fd, select.POLLIN)
         while by_fd:
@@ -338,45 +431,30 @@ class Round:
             if not ready:
                 break
             for fd, _ in ready:
-                i = by_fd.pop(fd)
+                i = by_fd[fd]
+                link = self.links[i]
+                assert link is not None
+                try:
+                    link.fill()
+                    reply = link.reply()
+                except _IO_ERRORS as exc:
+                    reply = exc
+                if reply is wire.NOTHING:
+                    continue  # part of a reply, or only owed ones: poll again
+                del by_fd[fd]
                 poller.unregister(fd)
-                outcomes[i] = self._read(i, commands[i], deadline, ready=True)  # type: ignore[arg-type]
+                if isinstance(reply, BaseException):
+                    outcomes[i] = self._drop(i, reply)
+                elif isinstance(reply, wire.ReplyError):
+                    outcomes[i] = Outcome("error", detail=f"ResponseError: {reply}")
+                else:
+                    outcomes[i] = Outcome("ok", reply)
         for i in by_fd.values():
             link = self.links[i]
             assert link is not None
             link.owed += 1
+            link.late = True
             outcomes[i] = Outcome("timeout", detail="no reply within request_timeout")
-
-    def _read(self, index: int, command: Command, deadline: float, ready: bool = False) -> Outcome:
-        link = self.links[index]
-        assert link is not None
-        try:
-            # Not known to be ready (the EVAL fallback): wait for what is left of the deadline.
-            if not ready and not link.conn.can_read(timeout=max(deadline - time.monotonic(), 0.0)):
-                link.owed += 1
-                return Outcome("timeout", detail="no reply within request_timeout")
-            return Outcome("ok", link.conn.read_response(disconnect_on_error=False))
-        except RedisTimeoutError:
-            link.owed += 1
-            return Outcome("timeout", detail="no reply within request_timeout")
-        except ResponseError as exc:
-            if isinstance(exc, NoScriptError) and command[0] == "EVALSHA":
-                return self._eval_instead(index, command, deadline)
-            return Outcome("error", detail=f"ResponseError: {exc}")
-        except _IO_ERRORS as exc:
-            return self._drop(index, exc)
-
-    def _eval_instead(self, index: int, command: Command, deadline: float) -> Outcome:
-        script = next(s for s in scripts.ALL if s.sha == command[1])
-        link = self.links[index]
-        assert link is not None
-        try:
-            link.conn.send_packed_command(
-                link.conn.pack_command("EVAL", script.source, *command[2:]), check_health=False
-            )
-        except _IO_ERRORS as exc:
-            return self._drop(index, exc)
-        return self._read(index, ("EVAL", *command[1:]), deadline)
 
     def close(self) -> None:
         for master, link in zip(self.masters, self.links, strict=True):
@@ -391,6 +469,6 @@ class Round:
         self.close()
 
 
-def evalsha(script: scripts.Script, keys: Iterable[str], args: Iterable[Any]) -> Command:
+def script_call(script: scripts.Script, keys: Iterable[str], args: Iterable[Any]) -> Command:
     keys = list(keys)
-    return ("EVALSHA", script.sha, len(keys), *keys, *args)
+    return ("EVAL", script.source, len(keys), *keys, *args)

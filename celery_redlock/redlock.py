@@ -28,7 +28,7 @@ from typing import Any
 
 from . import scripts
 from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
-from .masters import Master, Outcome, Round, evalsha
+from .masters import Master, Outcome, Round, script_call
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -169,24 +169,24 @@ class Redlock:
             votes = self._votes(outcomes, granted=b"OK")
             granted = sum(1 for v in votes if v.kind == "yes")
             validity = ttl - elapsed - self.drift(ttl)
-            release = evalsha(scripts.RELEASE, [key], [token])
+            release = script_call(scripts.RELEASE, [key], [token])
             if granted >= self.quorum and validity > 0:
                 # A master that answered late may still set the key; retract it on the same link
                 # (not waited for) so the key cannot outlive our release.
                 late = [release if v.kind == "timeout" else None for v in votes]
                 if any(late):
-                    rnd.call(late, 0.0)
+                    rnd.send(late, self.request_timeout)
                 return validity, votes, elapsed
             # A master that answered "held" refused our SET: nothing of ours is there to delete.
             # Every other one (yes, error, timeout) may hold our token and gets the release.
             retract = [None if v.kind == "held" else release for v in votes]
             if any(retract):
-                rnd.call(retract, self.request_timeout)
+                rnd.send(retract, self.request_timeout)
         return min(validity, 0.0), votes, elapsed
 
     def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
         """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
-        command = evalsha(scripts.EXTEND, [key], [token, int(ttl * 1000)])
+        command = script_call(scripts.EXTEND, [key], [token, int(ttl * 1000)])
         with self._round() as rnd:
             t_start = time.monotonic()
             outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
@@ -196,11 +196,16 @@ class Redlock:
         validity = ttl - elapsed - self.drift(ttl)
         return (validity if granted >= self.quorum else 0.0), votes, elapsed
 
-    def release_key(self, key: str, token: str) -> list[Vote]:
-        command = evalsha(scripts.RELEASE, [key], [token])
+    def release_key(self, key: str, token: str) -> None:
+        """Send the compare-and-delete to every master, without waiting for the replies.
+
+        Each master applies it as it arrives, before anything this process sends it later on
+        that connection; the acknowledgements are read by the connection's next use. Waiting
+        would only tell us what expiry makes true anyway, at the price of a round trip.
+        """
+        command = script_call(scripts.RELEASE, [key], [token])
         with self._round() as rnd:
-            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
-        return self._votes(outcomes)
+            rnd.send([command] * len(self.masters), self.request_timeout)
 
     def write_everywhere(self, key: str, value: str, ttl: float) -> int:
         """SET a plain (non-lock) key on every master with a TTL; returns how many accepted it.
@@ -358,7 +363,11 @@ class Lock:
             return False
 
     def release(self) -> None:
-        """Release on every master. Releasing a lock not held (or already gone) does nothing."""
+        """Release on every master. Releasing a lock not held (or already gone) does nothing.
+
+        Returns once the release is on its way to every reachable master (see
+        :meth:`Redlock.release_key`); it does not wait a round trip for the acknowledgements.
+        """
         with self._op:
             token, self._token = self._token, None
             self._valid_until = 0.0

