@@ -1,18 +1,23 @@
 """Throughput of no-op tasks through a real worker, plain vs RedlockTask (N masters), same run.
 
-    python benchmarks/bench_celery.py [--tasks 2000] [--pools solo,prefork] [--masters 1,3,5]
+    python benchmarks/bench_celery.py [--tasks 2000] [--rounds 4] [--pools solo,prefork]
+                                      [--masters 1,3,5]
 
 Starts its own broker/backend server and lock masters on free loopback ports, and one real
-``celery worker`` per (master count, pool). Each worker runs batches of plain no-op tasks and of
-locked no-op tasks (distinct keys) in the order plain, locked, locked, plain, each timed from the
-first send until every result is in. Prints the locked/plain ratio and the per-task lock
-overhead (extra wall time per task, in ms).
+``celery worker`` per (master count, pool). Each worker runs ``--rounds`` rounds; a round is a
+batch of plain no-op tasks and a batch of locked no-op tasks (distinct keys, never reused),
+``--tasks`` each, in the order plain, locked in even rounds and locked, plain in odd ones. Each
+batch is timed from the first send until every result is in. Prints the median over rounds of
+the locked/plain ratio (a round's two batches see nearly the same machine, which a shared
+machine's drifting speed does not allow across rounds), the rates summed over all rounds, and
+the lock's extra wall time per task.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import textwrap
@@ -41,9 +46,9 @@ APP_SOURCE = textwrap.dedent('''
 ''')
 
 
-def run_batch(app: Celery, name: str, count: int, queue: str) -> float:
+def run_batch(app: Celery, name: str, count: int, queue: str, first: int = 0) -> float:
     started = time.perf_counter()
-    results = [app.send_task(name, (i,), queue=queue) for i in range(count)]
+    results = [app.send_task(name, (first + i,), queue=queue) for i in range(count)]
     for result in results:
         result.get(timeout=300)
     return time.perf_counter() - started
@@ -59,7 +64,8 @@ def wait_pinged(client: Celery, worker: CeleryWorker, timeout: float = 60.0) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per batch")
+    parser.add_argument("--rounds", type=int, default=4, help="plain+locked batch pairs")
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
     parser.add_argument("--masters", default="5",
@@ -77,8 +83,9 @@ def main() -> None:
             for pool in args.pools.split(","):
                 rows.append((count, pool, *measure(client, pool, args, env, workdir)))
         client.close()
-    print(f"{args.tasks} no-op tasks per batch, python {sys.version.split()[0]}; plain and locked "
-          "batches alternate (plain, locked, locked, plain) and each rate is the mean of two")
+    print(f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain and a locked batch "
+          f"(alternating which goes first), python {sys.version.split()[0]}; ratio: median over "
+          "rounds of locked/plain throughput")
     print(f"{'masters':>7}  {'pool':<9}{'plain tasks/s':>14}{'locked tasks/s':>16}{'ratio':>7}"
           f"{'lock ms/task':>14}")
     for count, pool, plain_rate, locked_rate, ratio, overhead in rows:
@@ -100,17 +107,22 @@ def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, 
     try:
         wait_pinged(client, worker)
         run_batch(client, "bench.plain", 50, queue)  # warm up connections and pool
-        run_batch(client, "bench.locked", 50, queue)
-        plain = run_batch(client, "bench.plain", args.tasks, queue)
-        locked = run_batch(client, "bench.locked", args.tasks, queue)
-        locked += run_batch(client, "bench.locked", args.tasks, queue)
-        plain += run_batch(client, "bench.plain", args.tasks, queue)
+        run_batch(client, "bench.locked", 50, queue, first=-50)
+        plain = locked = 0.0
+        ratios = []
+        for round_ in range(args.rounds):
+            first = round_ * args.tasks  # a fresh key per locked task: no lock is ever reused
+            order = ("bench.plain", "bench.locked") if round_ % 2 == 0 else (
+                "bench.locked", "bench.plain")
+            took = {name: run_batch(client, name, args.tasks, queue, first) for name in order}
+            plain += took["bench.plain"]
+            locked += took["bench.locked"]
+            ratios.append(took["bench.plain"] / took["bench.locked"])
     finally:
         worker.stop()
-    tasks = 2 * args.tasks
-    return (tasks / plain, tasks / locked, plain / locked,
+    tasks = args.rounds * args.tasks
+    return (tasks / plain, tasks / locked, statistics.median(ratios),
             (locked - plain) / tasks * 1000 * concurrency)
-
 
 if __name__ == "__main__":
     main()
