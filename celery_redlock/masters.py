@@ -333,10 +333,15 @@ class Round:
 
     ``call`` sends one command per master and waits for the replies; further calls in the same
     round reuse the same links, which is what orders a release after a late acquire.
+
+    ``carry`` are commands for every master whose replies nobody waits for (lingering
+    releases): they go out in the same write as the round's first command to each master.
     """
 
-    def __init__(self, masters: Sequence[Master]) -> None:
+    def __init__(self, masters: Sequence[Master], carry: Sequence[Command] = ()) -> None:
         self.masters = masters
+        self._carry = b"".join(wire.pack(command) for command in carry)
+        self._carried = len(carry)
         self.links: list[Link | None] = [master.take_idle() for master in masters]
         self.failures: list[str] = [""] * len(masters)
         missing = [i for i, link in enumerate(self.links) if link is None]
@@ -390,28 +395,37 @@ class Round:
     def _send(self, commands: Sequence[Command | None], deadline: float,
               outcomes: list[Outcome]) -> list[tuple[int, Link]]:
         sent = []
+        carry, carried = self._carry, self._carried
+        self._carry, self._carried = b"", 0
         # The same command object goes to every master: pack it once, not once per master.
         last: Command | None = None
-        packed = b""
+        packed = carry
         for i, command in enumerate(commands):
-            if command is None:
+            if command is None and not carried:
                 continue
             link = self.links[i]
             if link is None:
-                outcomes[i] = Outcome("error", detail=self.failures[i] or "no connection")
+                if command is not None:
+                    outcomes[i] = Outcome("error", detail=self.failures[i] or "no connection")
                 continue
             try:
                 if command is not last:
-                    packed, last = wire.pack(command), command
+                    packed = carry + wire.pack(command) if command is not None else carry
+                    last = command
                 if link.owed and not link.late:
                     # Owed replies that are already here are read now, so that the poll below
                     # does not wake for them.
                     link.fill()
                 link.send(packed, deadline)
             except _IO_ERRORS as exc:
-                outcomes[i] = self._drop(i, exc)
+                if command is not None:
+                    outcomes[i] = self._drop(i, exc)
+                else:
+                    self._drop(i, exc)
                 continue
-            sent.append((i, link))
+            link.owed += carried
+            if command is not None:
+                sent.append((i, link))
         return sent
 
     def _collect(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:

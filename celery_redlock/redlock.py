@@ -28,13 +28,15 @@ from typing import Any
 
 from . import scripts
 from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
-from .masters import Master, Outcome, Round, script_call
+from .linger import Lingering
+from .masters import Command, Master, Outcome, Round, script_call
 
 logger = logging.getLogger("celery_redlock.redlock")
 
 # Names longer than this are shortened to a readable head plus a digest of the whole name.
 MAX_NAME_LENGTH = 512
 CLOCK_DRIFT_FLOOR = 0.002
+MAX_RELEASE_LINGER = 1.0
 
 
 class RedlockWarning(UserWarning):
@@ -68,6 +70,10 @@ class Redlock:
     ``masters`` are redis URLs (``redis://``, ``rediss://``, ``unix://``) or ``redis.Redis``
     clients; only their connection options are used, on connections of our own with
     ``request_timeout`` for connect and read and no client-side retries.
+
+    ``release_linger`` (seconds, 0 by default) lets a release wait that long at most to travel
+    with this process's next round to the masters instead of in one of its own (see
+    :mod:`celery_redlock.linger`); ``Lock.release(linger=False)`` still sends at once.
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class Redlock:
         drift_factor: float = 0.01,
         request_timeout: float = 0.1,
         key_prefix: str = "redlock:",
+        release_linger: float = 0.0,
     ) -> None:
         if isinstance(masters, (str, bytes)):
             masters = [masters]
@@ -98,6 +105,12 @@ class Redlock:
         if not isinstance(key_prefix, str):
             raise ConfigError(f"key_prefix must be a str, got {key_prefix!r}")
         self.key_prefix = key_prefix
+        self.release_linger = _number("release_linger", release_linger, minimum=0, inclusive=True)
+        if self.release_linger > MAX_RELEASE_LINGER:
+            raise ConfigError(
+                f"release_linger must be at most {MAX_RELEASE_LINGER} s (it delays every "
+                f"release by up to that much), got {release_linger!r}"
+            )
 
         self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
         names = [m.name for m in self.masters]
@@ -115,6 +128,9 @@ class Redlock:
             warnings.warn(message, RedlockWarning, stacklevel=2)
             logger.warning(message)
         self.quorum = len(self.masters) // 2 + 1
+        self._lingering = (
+            Lingering(self.release_linger, self._send_released) if self.release_linger else None
+        )
 
     def __repr__(self) -> str:
         return f"<Redlock {len(self.masters)} masters quorum={self.quorum} ttl={self.ttl}s>"
@@ -127,7 +143,15 @@ class Redlock:
         """A :class:`Lock` for one resource. Nothing is sent until it is acquired."""
         return Lock(self, name, ttl, timeout=timeout, blocking=blocking)
 
+    def flush_releases(self) -> None:
+        """Send every lingering release now (see ``release_linger``)."""
+        if self._lingering is not None:
+            self._lingering.flush()
+
     def close(self) -> None:
+        """Send any lingering releases, then close every idle connection."""
+        if self._lingering is not None:
+            self._lingering.close()
         for master in self.masters:
             master.close()
 
@@ -142,7 +166,13 @@ class Redlock:
         return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
 
     def _round(self) -> Round:
-        return Round(self.masters)
+        # Lingering releases ride along with whatever this round sends first.
+        lingering = self._lingering
+        return Round(self.masters, lingering.take() if lingering is not None else ())
+
+    def _send_released(self, commands: Sequence[Command]) -> None:
+        with Round(self.masters, commands) as rnd:
+            rnd.send([None] * len(self.masters), self.request_timeout)
 
     def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> list[Vote]:
         """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
@@ -196,14 +226,18 @@ class Redlock:
         validity = ttl - elapsed - self.drift(ttl)
         return (validity if granted >= self.quorum else 0.0), votes, elapsed
 
-    def release_key(self, key: str, token: str) -> None:
+    def release_key(self, key: str, token: str, *, linger: bool = True) -> None:
         """Send the compare-and-delete to every master, without waiting for the replies.
 
         Each master applies it as it arrives, before anything this process sends it later on
         that connection; the acknowledgements are read by the connection's next use. Waiting
-        would only tell us what expiry makes true anyway, at the price of a round trip.
+        would only tell us what expiry makes true anyway, at the price of a round trip. With
+        ``release_linger`` set (and ``linger``), it waits to travel with the next round.
         """
         command = script_call(scripts.RELEASE, [key], [token])
+        if linger and self._lingering is not None:
+            self._lingering.add(command)
+            return
         with self._round() as rnd:
             rnd.send([command] * len(self.masters), self.request_timeout)
 
@@ -362,18 +396,20 @@ class Lock:
             logger.debug("extension of %s failed: %s", self.key, "; ".join(map(str, votes)))
             return False
 
-    def release(self) -> None:
+    def release(self, *, linger: bool = True) -> None:
         """Release on every master. Releasing a lock not held (or already gone) does nothing.
 
         Returns once the release is on its way to every reachable master (see
         :meth:`Redlock.release_key`); it does not wait a round trip for the acknowledgements.
+        If the Redlock has a ``release_linger``, the release may wait that long for company;
+        ``linger=False`` sends it at once.
         """
         with self._op:
             token, self._token = self._token, None
             self._valid_until = 0.0
             self._lost_reason = ""
         if token is not None:
-            self.redlock.release_key(self.key, token)
+            self.redlock.release_key(self.key, token, linger=linger)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still owned."""

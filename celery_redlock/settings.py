@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .redlock import Redlock
+from .redlock import MAX_RELEASE_LINGER, Redlock
 
 logger = logging.getLogger("celery_redlock.settings")
 
@@ -37,6 +37,7 @@ DEFAULTS: dict[str, Any] = {
     "redlock_retry_backoff": 1.0,
     "redlock_retry_backoff_max": 60.0,
     "redlock_max_retries": None,
+    "redlock_release_linger": 0.02,
 }
 
 
@@ -54,6 +55,7 @@ class RedlockSettings:
     retry_backoff: float
     retry_backoff_max: float
     max_retries: int | None
+    release_linger: float
 
 
 def positive(name: str, value: object, *, allow_none: bool = False,
@@ -128,8 +130,19 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
         retry_backoff_max=positive("redlock_retry_backoff_max", get("redlock_retry_backoff_max"),
                                    allow_zero=True) or 0.0,
         max_retries=count_or_none("redlock_max_retries", get("redlock_max_retries")),
+        release_linger=_release_linger(get("redlock_release_linger")),
     )
     return settings
+
+
+def _release_linger(value: object) -> float:
+    linger = positive("redlock_release_linger", value, allow_zero=True) or 0.0
+    if linger > MAX_RELEASE_LINGER:
+        raise ConfigError(
+            f"redlock_release_linger must be at most {MAX_RELEASE_LINGER} s: it delays a finished "
+            f"task's release by up to that much; got {value!r}"
+        )
+    return linger
 
 
 _cache: dict[int, tuple[int, RedlockSettings, Redlock]] = {}
@@ -150,7 +163,7 @@ def app_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
         redlock = Redlock(
             list(settings.masters), ttl=settings.ttl, retry_count=0,
             drift_factor=settings.drift_factor, request_timeout=settings.request_timeout,
-            key_prefix=settings.key_prefix,
+            key_prefix=settings.key_prefix, release_linger=settings.release_linger,
         )
         _cache[id(app)] = (pid, settings, redlock)
         logger.debug("process %d: %r for app %s", pid, redlock, getattr(app, "main", app))

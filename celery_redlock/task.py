@@ -104,7 +104,7 @@ def release_all(reason: str) -> int:
     for entry in entries:
         process_heartbeat().forget(entry.lock)
         try:
-            entry.lock.release()
+            entry.lock.release(linger=False)
         except Exception:  # one unreachable quorum must not keep the others held
             logger.exception("releasing %s at %s failed", entry.lock.name, reason)
         else:
@@ -119,7 +119,7 @@ def release_task(task_id: str, reason: str) -> bool:
     if entry is None:
         return False
     process_heartbeat().forget(entry.lock)
-    entry.lock.release()
+    entry.lock.release(linger=False)
     logger.warning("released lock %s of task %s: %s", entry.lock.name, task_id, reason)
     return True
 
@@ -222,7 +222,8 @@ class RedlockTaskMixin:
         The retried run starts its lock attempts afresh: the lock retries this run needed
         before it got in are not charged to the next one's ``lock_max_retries``.
         """
-        self._redlock_finish("RETRY")
+        # At once, not lingering: the retry may be picked up by another worker straight away.
+        self._redlock_finish("RETRY", linger=False)
         if _header(self.request, ATTEMPT_HEADER):
             headers = dict(getattr(self.request, "headers", None) or {})
             headers.update(kwargs.get("headers") or {})
@@ -323,8 +324,12 @@ class RedlockTaskMixin:
 
         return on_lost
 
-    def _redlock_finish(self, state: str) -> None:
-        """Release (or leave to expire) the current execution's lock. Idempotent."""
+    def _redlock_finish(self, state: str, *, linger: bool = True) -> None:
+        """Release (or leave to expire) the current execution's lock. Idempotent.
+
+        The release may linger up to ``redlock_release_linger`` to share this process's next
+        round trip to the masters (see :mod:`celery_redlock.linger`), unless ``linger`` is false.
+        """
         request = self.request
         held: Held | None = getattr(request, _REQUEST_ATTR, None)
         if held is None:
@@ -339,7 +344,7 @@ class RedlockTaskMixin:
         held.finished = True
         expire = held.expire and state == SUCCESS
         if not expire:
-            held.lock.release()
+            held.lock.release(linger=linger)
         if signals.lock_released.receivers:
             signals.lock_released.send(sender=self, key=held.lock.name, task_id=held.task_id,
                                        held_for=held.held_for, state=state, expire=expire)

@@ -151,3 +151,19 @@ def test_startup_checks_warn_about_weakened_locks() -> None:
         return n
 
     assert check_app(quiet) == []
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("redlock_release_linger", 2.0, "redlock_release_linger must be at most 1.0 s"),
+    ("redlock_release_linger", -0.01, "redlock_release_linger must be >= 0"),
+    ("redlock_release_linger", "20ms", "redlock_release_linger must be a number"),
+    ("redlock_ttl", 0, "redlock_ttl must be > 0"),
+    ("redlock_contended", "wait", "redlock_contended must be one of"),
+])
+def test_bad_app_settings_fail_naming_the_setting(name: str, value: object, message: str) -> None:
+    from celery_redlock.settings import read_settings
+
+    conf = {"redlock_masters": ["redis://127.0.0.1:7001/0"], name: value}
+    with pytest.raises(ConfigError, match=message):
+        read_settings(conf)
+    assert read_settings({"redlock_masters": "redis://127.0.0.1:7001/0"}).release_linger == 0.02

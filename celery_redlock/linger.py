@@ -1,0 +1,135 @@
+"""Releases that wait a few milliseconds to share the next round trip to the masters.
+
+A finished holder's release needs no round of its own. Written in front of the next command
+this process sends every master (the next acquire, an extension), it reaches each master in the
+same packet and costs neither side an extra wake-up, which on co-located masters is most of
+what a lock costs. A busy worker sends its next acquire within a millisecond or two of a task's
+end, so nearly every release rides along; a ticker thread sends whatever has waited ``linger``
+seconds, so an idle process still releases within that bound.
+
+A lingering lock is still a held lock: nobody else can take it, and its TTL still bounds it if
+the process dies. Only the holder's own next acquire of the same key sees it gone at once,
+because the release goes out ahead of that acquire on every link.
+
+The ticker runs only while releases keep coming: it wakes every ``linger / 2`` seconds, and stops
+after a tick in which nothing was added and nothing is left. Instances forget their releases in
+a forked child (they are the parent's to send) and send them at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger("celery_redlock.linger")
+
+Command = tuple[Any, ...]
+Send = Callable[[Sequence[Command]], None]
+
+_instances: weakref.WeakSet[Lingering] = weakref.WeakSet()
+
+
+class Lingering:
+    """The releases one Redlock holds back, and the ticker that bounds how long they wait."""
+
+    def __init__(self, linger: float, send: Send) -> None:
+        self.linger = linger
+        self._send = send
+        self._items: list[tuple[float, Command]] = []  # (send by, command), oldest first
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._ticker_idle = False
+        self._added = 0
+        self._closed = False
+        _instances.add(self)
+
+    def add(self, command: Command) -> None:
+        """Hold ``command`` back until the next round, or ``linger`` seconds at most."""
+        with self._cond:
+            self._items.append((time.monotonic() + self.linger, command))
+            self._added += 1
+            if self._closed or self._thread is None or not self._thread.is_alive():
+                self._closed = False
+                self._thread = threading.Thread(
+                    target=self._tick, name="redlock-linger", daemon=True
+                )
+                self._thread.start()
+            elif self._ticker_idle:
+                self._cond.notify()
+
+    def take(self) -> list[Command]:
+        """Every command held back, for the caller's round to send ahead of its own."""
+        if not self._items:  # the hot path: no lock taken when nothing lingers
+            return []
+        with self._cond:
+            items, self._items = self._items, []
+        return [command for _, command in items]
+
+    def flush(self) -> None:
+        """Send everything held back now, in a round of its own."""
+        commands = self.take()
+        if commands:
+            self._send(commands)
+
+    def close(self) -> None:
+        """Send everything held back and stop the ticker (a later ``add`` starts a new one)."""
+        self.flush()
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _forget_after_fork(self) -> None:
+        self._items = []
+        self._cond = threading.Condition()
+        self._thread = None
+        self._ticker_idle = False
+
+    def _tick(self) -> None:
+        period = self.linger / 2
+        seen = -1
+        while True:
+            with self._cond:
+                # Idle once a whole tick passed with nothing added and nothing left to send.
+                while not self._closed and not self._items and self._added == seen:
+                    self._ticker_idle = True
+                    self._cond.wait()
+                    self._ticker_idle = False
+                if self._closed:
+                    return
+                seen = self._added
+                self._cond.wait(period)
+                if self._closed:
+                    return
+                # Send what would otherwise wait past its bound before the next tick.
+                horizon = time.monotonic() + period
+                due = [command for by, command in self._items if by <= horizon]
+                if due:
+                    self._items = [item for item in self._items if item[0] > horizon]
+            if due:
+                try:
+                    self._send(due)
+                except Exception:  # the thread must outlive one bad round; the TTL still holds
+                    logger.exception("sending %d lingering releases failed", len(due))
+
+
+def _after_fork_in_child() -> None:
+    for instance in list(_instances):
+        instance._forget_after_fork()
+
+
+def _at_exit() -> None:
+    for instance in list(_instances):
+        try:
+            instance.flush()
+        except Exception:
+            logger.debug("lingering releases not sent at exit", exc_info=True)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+atexit.register(_at_exit)
