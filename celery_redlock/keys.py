@@ -95,6 +95,20 @@ class LockKey:
                 parameters=list(self.signature.parameters.values())[1:]
             )
         self.fields: tuple[str, ...] = ()
+        # A signature of plain parameters only (no *args, **kwargs, keyword- or positional-only)
+        # binds by zip on the hot path; anything else goes through inspect's full bind.
+        self._plain: tuple[str, ...] | None = None
+        self._defaults: dict[str, Any] = {}
+        if self.signature is not None and all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+            for p in self.signature.parameters.values()
+        ):
+            self._plain = tuple(self.signature.parameters)
+            self._defaults = {
+                n: p.default for n, p in self.signature.parameters.items()
+                if p.default is not inspect.Parameter.empty
+            }
+        self._pieces: tuple[str, ...] = ()
         if spec is None:
             return
         if callable(spec):
@@ -107,6 +121,8 @@ class LockKey:
         self.fields = tuple(PLACEHOLDER.findall(spec))
         if not self.fields:
             return
+        # "a:<x>:<y>" -> ("a:", "x", ":", "y", ""): literal text at even indexes, fields at odd.
+        self._pieces = tuple(PLACEHOLDER.split(spec))
         params = self.signature.parameters if self.signature is not None else {}
         named = {
             n for n, p in params.items()
@@ -126,6 +142,19 @@ class LockKey:
         """The call's arguments by parameter name, defaults applied, ``**kwargs`` flattened in."""
         if self.signature is None:
             return dict(kwargs)
+        plain = self._plain
+        if plain is not None and len(args) <= len(plain):
+            values = dict(zip(plain, args, strict=False))  # args may stop short
+            for name, value in kwargs.items():
+                if name in values or name not in plain:
+                    break  # given twice, or unknown: let inspect word the error
+                values[name] = value
+            else:
+                if len(values) < len(plain):
+                    for name, default in self._defaults.items():
+                        values.setdefault(name, default)
+                if len(values) == len(plain):
+                    return values
         try:
             bound = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -152,19 +181,18 @@ class LockKey:
         if not self.fields:
             return self.spec
         values = self.bind(args, kwargs)
-
-        def substitute(match: re.Match[str]) -> str:
-            field = match.group(1)
+        pieces = list(self._pieces)
+        for i in range(1, len(pieces), 2):
+            field = pieces[i]
             if field not in values:
                 raise ConfigError(f"task {self.task_name!r}: lock_key placeholder <{field}> "
                                   "was not given in this call")
             try:
-                return render_value(values[field])
+                pieces[i] = render_value(values[field])
             except TypeError as exc:
                 raise ConfigError(f"task {self.task_name!r}: lock_key placeholder <{field}>: "
                                   f"{exc}") from exc
-
-        return PLACEHOLDER.sub(substitute, self.spec)
+        return "".join(pieces)
 
     def __repr__(self) -> str:
         return f"<LockKey {self.task_name}: {self.spec!r}>"

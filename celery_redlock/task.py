@@ -330,18 +330,15 @@ class RedlockTaskMixin:
         The release may linger up to ``redlock_release_linger`` to share this process's next
         round trip to the masters (see :mod:`celery_redlock.linger`), unless ``linger`` is false.
         """
-        request = self.request
-        held: Held | None = getattr(request, _REQUEST_ATTR, None)
-        if held is None:
+        held: Held | None = getattr(self.request, _REQUEST_ATTR, None)
+        # Kept reachable through self.redlock after the release; only the duty is dropped.
+        if held is None or held.finished:
             return
+        held.finished = True
         with _held_mutex:
             if _held.get(held.task_id) is held:
                 del _held[held.task_id]
         process_heartbeat().forget(held.lock)
-        # Keep the Lock reachable through self.redlock; drop only the release duty.
-        if held.finished:
-            return
-        held.finished = True
         expire = held.expire and state == SUCCESS
         if not expire:
             held.lock.release(linger=linger)

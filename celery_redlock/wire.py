@@ -47,11 +47,19 @@ def _encode(arg: Any) -> bytes:
 
 def pack(command: Sequence[Any]) -> bytes:
     """One command as a RESP2 array of bulk strings."""
-    parts = [b"*%d\r\n" % len(command)]
+    out = bytearray(b"*%d\r\n" % len(command))
     for arg in command:
-        data = _encode(arg)
-        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(parts)
+        kind = type(arg)
+        if kind is str:
+            data = arg.encode("utf-8", "surrogatepass")
+        elif kind is bytes:
+            data = arg
+        else:
+            data = _encode(arg)
+        out += b"$%d\r\n" % len(data)
+        out += data
+        out += b"\r\n"
+    return bytes(out)
 
 
 class Reader:

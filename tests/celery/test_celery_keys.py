@@ -79,3 +79,24 @@ def test_slots_align_to_the_epoch_and_to_cron_fire_times() -> None:
     fire = dt.datetime(2024, 1, 1, 10, 5, tzinfo=dt.timezone.utc).timestamp()
     assert slot_name(every5, fire + 1) == slot_name(every5, fire + 40) == "2024-01-01T10:05:00+00:00"
     assert slot_name(every5, fire - 3) == "2024-01-01T10:05:00+00:00"
+
+
+def test_binding_agrees_with_inspect_for_every_way_of_calling() -> None:
+    import inspect
+
+    from celery_redlock.keys import compile_lock_key
+
+    def charge(invoice_id: int, amount: int = 0, currency: str = "EUR") -> None: ...
+
+    key = compile_lock_key("inv:<invoice_id>:<currency>", charge, "kt.charge")
+    signature = inspect.signature(charge)
+    for args, kwargs in [((1,), {}), ((1, 5), {}), ((1,), {"currency": "USD"}),
+                         ((), {"invoice_id": 1, "amount": 5}), ((1, 2, "GBP"), {}),
+                         ((), {"currency": "USD", "invoice_id": 2, "amount": 3})]:
+        expected = signature.bind(*args, **kwargs)
+        expected.apply_defaults()
+        assert key.bind(args, kwargs) == dict(expected.arguments), (args, kwargs)
+    for args, kwargs in [((1, 2, "GBP", 4), {}), ((1,), {"invoice_id": 2}), ((), {"amount": 1}),
+                         ((1,), {"invoce_id": 1})]:
+        with pytest.raises(ConfigError, match="do not fit its signature"):
+            key.render(args, kwargs)
