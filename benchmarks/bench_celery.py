@@ -1,6 +1,6 @@
 """Throughput of no-op tasks through a real worker, plain vs RedlockTask (N masters), same run.
 
-    python benchmarks/bench_celery.py [--tasks 2000] [--rounds 4] [--pools solo,prefork]
+    python benchmarks/bench_celery.py [--tasks 1000] [--rounds 8] [--pools solo,prefork]
                                       [--masters 1,3,5]
 
 Starts its own broker/backend server and lock masters on free loopback ports, and one real
@@ -54,6 +54,19 @@ def run_batch(app: Celery, name: str, count: int, queue: str, first: int = 0) ->
     return time.perf_counter() - started
 
 
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes have used so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / _TICKS
+
+
 def wait_pinged(client: Celery, worker: CeleryWorker, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not client.control.ping(destination=[worker.hostname], timeout=0.5):
@@ -64,8 +77,8 @@ def wait_pinged(client: Celery, worker: CeleryWorker, timeout: float = 60.0) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=2000, help="tasks per batch")
-    parser.add_argument("--rounds", type=int, default=4, help="plain+locked batch pairs")
+    parser.add_argument("--tasks", type=int, default=1000, help="tasks per batch")
+    parser.add_argument("--rounds", type=int, default=8, help="plain+locked batch pairs")
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
     parser.add_argument("--masters", default="5",
@@ -80,24 +93,28 @@ def main() -> None:
         client = Celery("bench-client", broker=broker.url, backend=broker.url)
         for count in counts:
             env = {"BENCH_BROKER": broker.url, "BENCH_MASTERS": ",".join(masters.urls[:count])}
+            pids = [pid for pid in (m.pid for m in list(masters)[:count]) if pid is not None]
             for pool in args.pools.split(","):
-                rows.append((count, pool, *measure(client, pool, args, env, workdir)))
+                rows.append((count, pool, *measure(client, pool, args, env, workdir, pids)))
         client.close()
     print(f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain and a locked batch "
           f"(alternating which goes first), python {sys.version.split()[0]}; ratio: median over "
           "rounds of locked/plain throughput")
     print(f"{'masters':>7}  {'pool':<9}{'plain tasks/s':>14}{'locked tasks/s':>16}{'ratio':>7}"
-          f"{'lock ms/task':>14}")
-    for count, pool, plain_rate, locked_rate, ratio, overhead in rows:
+          f"{'lock ms/task':>14}{'worker CPU':>12}{'masters CPU':>13}")
+    for count, pool, plain_rate, locked_rate, ratio, overhead, worker_cpu, master_cpu in rows:
         print(f"{count:>7}  {pool:<9}{plain_rate:>14.0f}{locked_rate:>16.0f}{ratio:>7.2f}"
-              f"{overhead:>14.2f}")
+              f"{overhead:>14.2f}{worker_cpu:>12.2f}{master_cpu:>13.2f}")
     print("lock ms/task: extra wall time per task per worker slot, (locked - plain) / tasks x "
           "concurrency")
+    print("worker CPU, masters CPU: CPU ms per task the lock added to the worker (all its "
+          "processes) and to the masters")
 
 
 def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, str],
-            workdir: Path) -> tuple[float, float, float, float]:
-    """(plain tasks/s, locked tasks/s, ratio, lock ms per task) for one pool, same worker."""
+            workdir: Path, master_pids: list[int]) -> tuple[float, ...]:
+    """(plain tasks/s, locked tasks/s, ratio, lock ms per task, worker and masters CPU ms per
+    task added by the lock) for one pool, same worker."""
     queue = f"bench-{pool}-{os.getpid()}-{len(env['BENCH_MASTERS'])}"
     concurrency = args.concurrency if pool == "prefork" else 1
     worker = CeleryWorker("benchapp", pool=pool, concurrency=concurrency, queues=[queue],
@@ -108,21 +125,33 @@ def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, 
         wait_pinged(client, worker)
         run_batch(client, "bench.plain", 50, queue)  # warm up connections and pool
         run_batch(client, "bench.locked", 50, queue, first=-50)
-        plain = locked = 0.0
+        assert worker.pid is not None
+        worker_pids = [worker.pid, *worker.child_pids()]
+        took = {"bench.plain": 0.0, "bench.locked": 0.0}
+        cpu = {(name, who): 0.0 for name in took for who in ("worker", "masters")}
         ratios = []
         for round_ in range(args.rounds):
             first = round_ * args.tasks  # a fresh key per locked task: no lock is ever reused
             order = ("bench.plain", "bench.locked") if round_ % 2 == 0 else (
                 "bench.locked", "bench.plain")
-            took = {name: run_batch(client, name, args.tasks, queue, first) for name in order}
-            plain += took["bench.plain"]
-            locked += took["bench.locked"]
-            ratios.append(took["bench.plain"] / took["bench.locked"])
+            this_round = {}
+            for name in order:
+                before = cpu_seconds(worker_pids), cpu_seconds(master_pids)
+                this_round[name] = run_batch(client, name, args.tasks, queue, first)
+                cpu[name, "worker"] += cpu_seconds(worker_pids) - before[0]
+                cpu[name, "masters"] += cpu_seconds(master_pids) - before[1]
+                took[name] += this_round[name]
+            ratios.append(this_round["bench.plain"] / this_round["bench.locked"])
     finally:
         worker.stop()
     tasks = args.rounds * args.tasks
+    plain, locked = took["bench.plain"], took["bench.locked"]
+
+    def added(who: str) -> float:
+        return (cpu["bench.locked", who] - cpu["bench.plain", who]) / tasks * 1000
+
     return (tasks / plain, tasks / locked, statistics.median(ratios),
-            (locked - plain) / tasks * 1000 * concurrency)
+            (locked - plain) / tasks * 1000 * concurrency, added("worker"), added("masters"))
 
 if __name__ == "__main__":
     main()

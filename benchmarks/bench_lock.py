@@ -10,8 +10,9 @@ Uncontended: one thread, one resource, ``acquire(blocking=False)`` then ``releas
 iteration. The *floor* is the least any client could do for the same lock: ``SET key token NX PX
 ttl`` written to every master's socket and every reply read, then the release script (EVAL)
 written to every socket, its replies read just before the next command on each connection (as
-Redlock does: a release is sent, not waited for), over plain redis-py connections. Redlock and floor run in alternating blocks in the same
-process, so both see the same machine load; the ratio is what the lock logic costs.
+Redlock does: a release is sent, not waited for), over plain redis-py connections. Redlock and
+floor run in alternating blocks in the same process, so both see the same machine load; the
+ratio is what the lock logic costs.
 
 Contended: ``--processes`` processes loop on one resource; a critical section is one successful
 acquisition followed by its release. The floor loop sends the same raw commands: SET NX PX to all

@@ -213,3 +213,32 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
         # Released by the mixin's after_return; the release may linger up to
         # redlock_release_linger (20 ms) for company before the idle worker sends it.
         wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the lock's release")
+
+
+@pytest.mark.timeout(90)
+def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
+    lockapp: Any, broker: Any, redlock_masters: ServerSet, redlock_master_urls: list[str],
+    tag: str,
+) -> None:
+    """One solo worker runs 20 same-key tasks back to back with lock_contended="skip": each
+    run's release lingers into the next run's acquire, written ahead of it on every link, so no
+    run finds its predecessor's lock (a skip would show as a missing interval). Once the worker
+    is idle, the last release goes out within the linger bound."""
+    from conftest import app_env, start_worker
+
+    queue = f"q-solo-{tag}"
+    worker = start_worker(app_env(broker.url, broker.url, redlock_master_urls, queue),
+                          pool="solo", concurrency=1, queue=queue)
+    try:
+        results = [lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue)
+                   for _ in range(20)]
+        # A skipped run ends IGNORED, which get() would wait on forever: poll the states.
+        states = wait_for(lambda: [r.state for r in results]
+                          if all(r.state in ("SUCCESS", "IGNORED") for r in results) else None,
+                          30, "all 20 runs to end")
+        assert states == ["SUCCESS"] * 20, states
+        assert len(records(lockapp, tag)) == 20
+        with Redlock(redlock_master_urls) as check:
+            wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
+    finally:
+        worker.stop()
