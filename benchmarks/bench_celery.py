@@ -35,6 +35,8 @@ APP_SOURCE = textwrap.dedent('''
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
     app.conf.update(redlock_masters=os.environ["BENCH_MASTERS"], worker_prefetch_multiplier=16)
+    if os.environ.get("BENCH_LINGER"):
+        app.conf.redlock_release_linger = float(os.environ["BENCH_LINGER"])
 
     @app.task(name="bench.plain")
     def plain(i):
@@ -81,6 +83,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8, help="plain+locked batch pairs")
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
+    parser.add_argument("--linger", type=float, default=None,
+                        help="redlock_release_linger for the worker (default: the setting's)")
     parser.add_argument("--masters", default="5",
                         help="comma-separated lock master counts to measure, e.g. 1,3,5")
     args = parser.parse_args()
@@ -92,7 +96,8 @@ def main() -> None:
     with RedisServer() as broker, ServerSet(max(counts)) as masters:
         client = Celery("bench-client", broker=broker.url, backend=broker.url)
         for count in counts:
-            env = {"BENCH_BROKER": broker.url, "BENCH_MASTERS": ",".join(masters.urls[:count])}
+            env = {"BENCH_BROKER": broker.url, "BENCH_MASTERS": ",".join(masters.urls[:count]),
+                   "BENCH_LINGER": "" if args.linger is None else str(args.linger)}
             pids = [pid for pid in (m.pid for m in list(masters)[:count]) if pid is not None]
             for pool in args.pools.split(","):
                 rows.append((count, pool, *measure(client, pool, args, env, workdir, pids)))
