@@ -1,6 +1,6 @@
 """Throughput of no-op tasks through a real worker, plain vs RedlockTask (N masters), same run.
 
-    python benchmarks/bench_celery.py [--tasks 1000] [--rounds 8] [--pools solo,prefork]
+    python benchmarks/bench_celery.py [--tasks 2000] [--rounds 5] [--pools solo,prefork]
                                       [--masters 1,3,5]
 
 Starts its own broker/backend server and lock masters on free loopback ports, and one real
@@ -79,8 +79,8 @@ def wait_pinged(client: Celery, worker: CeleryWorker, timeout: float = 60.0) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=1000, help="tasks per batch")
-    parser.add_argument("--rounds", type=int, default=8, help="plain+locked batch pairs")
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per batch")
+    parser.add_argument("--rounds", type=int, default=5, help="plain+locked batch pairs")
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
     parser.add_argument("--linger", type=float, default=None,
