@@ -178,6 +178,10 @@ def _connection_options(
         socket_keepalive=True,
         protocol=2,  # wire.Reader parses RESP2
     )
+    # redis-py 8 turns on "maintenance notifications" for URLs, which it refuses to run on a
+    # RESP2 connection without hiredis; they are push messages we would not read anyway.
+    options.pop("maint_notifications_config", None)
+    options.pop("maint_notifications_pool_handler", None)
     if issubclass(connection_class, redis.UnixDomainSocketConnection):
         options.pop("socket_keepalive", None)
     return options
