@@ -10,12 +10,28 @@
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 
 from ..redlock import Redlock
 from .servers import ServerSet
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # CI runners stop a job with SIGTERM, which by default ends Python on the spot: no fixture
+    # teardown, no atexit, and every server and worker the tests started is left running.
+    # Stopping the session the way Ctrl-C does runs the teardown first.
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _stop_session)
+
+
+def _stop_session(signum: int, frame: FrameType | None) -> None:
+    pytest.exit(f"stopped by signal {signum}; tearing down", returncode=128 + signum)
 
 
 @pytest.fixture(scope="session")

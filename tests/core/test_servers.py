@@ -75,3 +75,48 @@ def test_a_skewed_clock_runs_fast_and_its_server_is_the_process_we_hold() -> Non
     finally:
         server.cleanup()
     assert gone(pid)
+
+
+@pytest.mark.timeout(60)
+def test_a_pytest_run_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> None:
+    """The pytest plugin turns SIGTERM (how CI runners stop a job) into an orderly stop, so the
+    session's servers are stopped by their pids instead of outliving the run."""
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "test_hold.py").write_text(
+        "import os, time\n"
+        "def test_hold(redlock_masters):\n"
+        "    pids = ' '.join(str(server.pid) for server in redlock_masters)\n"
+        "    (__import__('pathlib').Path(os.environ['PIDS_FILE'])).write_text(pids)\n"
+        "    time.sleep(50)\n"
+    )
+    pids_file = tmp_path / "pids"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path, env={**os.environ, "PIDS_FILE": str(pids_file)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not pids_file.exists() or not pids_file.read_text():
+            assert run.poll() is None, run.communicate()[0]
+            assert time.monotonic() < deadline, "the inner test never started"
+            time.sleep(0.05)
+        pids = [int(pid) for pid in pids_file.read_text().split()]
+        assert len(pids) == 5
+        run.send_signal(signal.SIGTERM)
+        output = run.communicate(timeout=30)[0]
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 128 + signal.SIGTERM, output
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"server {pid} outlived the run"
+
+
+def _zombie(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
