@@ -68,6 +68,9 @@ def failure_reason(error: LockNotAcquired | None) -> str:
     return "unreachable"
 
 
+PAUSE_MARGIN_TTLS = 4
+
+
 def run_client(config: ClientConfig) -> None:
     rng = random.Random(config.seed)
     register = Register(config.register)
@@ -92,7 +95,10 @@ def run_client(config: ClientConfig) -> None:
                 "masters": len(lock.last_votes), "quorum": redlock.quorum,
                 "wrote": False, "lost": "", "extended": False,
             }
-            if config.pausable and register.take_pause_request():
+            # Not in the run's last TTLs: the other clients stop contending at `until`, and the
+            # check that someone took the resource during the pause would fail for that alone.
+            if (config.pausable and config.until - time.monotonic() > PAUSE_MARGIN_TTLS * config.ttl
+                    and register.take_pause_request()):
                 _pause_self(register, config, lock, record)
             try:
                 lock.ensure()
