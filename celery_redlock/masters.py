@@ -344,7 +344,7 @@ class Round:
 
     def __init__(self, masters: Sequence[Master], carry: Sequence[Command] = ()) -> None:
         self.masters = masters
-        self._carry = b"".join(wire.pack(command) for command in carry)
+        self._carry = b"".join(map(wire.pack, carry)) if carry else b""
         self._carried = len(carry)
         self.links: list[Link | None] = [master.take_idle() for master in masters]
         self.failures: list[str] = [""] * len(masters)

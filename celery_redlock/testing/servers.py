@@ -90,8 +90,9 @@ def _stop_leftovers() -> None:
             shutil.rmtree(server.dir, ignore_errors=True)
 
 
-def _process_state(pid: int) -> str:
-    """The state letter Linux reports for ``pid`` (T when stopped), or "" if it cannot tell."""
+def process_state(pid: int) -> str:
+    """The state letter Linux reports for ``pid`` (T when stopped, Z for a zombie), or "" if it
+    cannot tell (no such process)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0]
@@ -266,7 +267,7 @@ class RedisServer:
         self.paused = True
         if self._proc is not None:
             deadline = time.monotonic() + 2.0
-            while _process_state(self._proc.pid) not in ("T", "t", "") and (
+            while process_state(self._proc.pid) not in ("T", "t", "") and (
                 time.monotonic() < deadline
             ):
                 time.sleep(0.001)

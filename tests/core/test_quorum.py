@@ -63,19 +63,25 @@ def test_failed_vote_account_names_every_master(masters: ServerSet, rl: Redlock)
     first.release()
 
 
-def test_errors_survive_pickling_with_their_votes(rl: Redlock) -> None:
-    first = rl.lock("pickle", ttl=10)
+def contended_error(rl: Redlock, name: str) -> LockNotAcquired:
+    """The error of a second acquisition of ``name`` while a first holds it."""
+    first = rl.lock(name, ttl=10)
     assert first.acquire(blocking=False)
-    second = rl.lock("pickle", ttl=10)
+    second = rl.lock(name, ttl=10)
     assert not second.acquire(blocking=False)
-    original = second.last_error
-    assert original is not None
+    first.release()
+    error = second.last_error
+    assert error is not None
+    return error
+
+
+def test_errors_survive_pickling_with_their_votes(rl: Redlock) -> None:
+    original = contended_error(rl, "pickle")
     copy = pickle.loads(pickle.dumps(original))
     assert type(copy) is LockNotAcquired
     assert copy.votes == original.votes and str(copy) == str(original)
     lost = pickle.loads(pickle.dumps(LockLost("pickle", "expired")))
     assert type(lost) is LockLost and lost.resource == "pickle" and lost.reason == "expired"
-    first.release()
 
 
 def test_owned_validity_token_and_locked(rl: Redlock) -> None:
@@ -191,15 +197,9 @@ def test_errors_survive_a_json_round_trip(rl: Redlock) -> None:
     """Celery's JSON result backend keeps an exception's args and rebuilds it as cls(*args)."""
     import json
 
-    first = rl.lock("json", ttl=10)
-    assert first.acquire(blocking=False)
-    second = rl.lock("json", ttl=10)
-    assert not second.acquire(blocking=False)
-    original = second.last_error
-    assert original is not None
+    original = contended_error(rl, "json")
     rebuilt = LockNotAcquired(*json.loads(json.dumps(original.args)))
     assert rebuilt.votes == original.votes and str(rebuilt) == str(original)
     assert rebuilt.held_by_other
     lost = LockLost(*json.loads(json.dumps(LockLost("json", "expired").args)))
     assert str(lost) == "lock 'json' lost: expired"
-    first.release()

@@ -9,17 +9,18 @@ from pathlib import Path
 import pytest
 
 from celery_redlock.testing import RedisServer, ServerError
-from celery_redlock.testing.servers import faketime_library
+from celery_redlock.testing.servers import faketime_library, process_state
 
 
 def state_of(pid: int) -> str:
-    """The process state letter from /proc (R, S, T for stopped, Z, ...)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return stat.rsplit(")", 1)[1].split()[0]
+    """The process state letter (R, S, T for stopped, Z, ...) of a process that must exist."""
+    state = process_state(pid)
+    assert state, f"no process {pid}"
+    return state
 
 
 def gone(pid: int) -> bool:
-    return not os.path.exists(f"/proc/{pid}") or state_of(pid) == "Z"
+    return process_state(pid) in ("", "Z")
 
 
 def test_pause_resume_kill_and_cleanup_act_on_the_server() -> None:
@@ -114,9 +115,4 @@ def test_a_pytest_run_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> No
             run.wait()
     assert run.returncode == 128 + signal.SIGTERM, output
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), f"server {pid} outlived the run"
-
-
-def _zombie(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert gone(pid), f"server {pid} outlived the run"

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from celery_redlock.testing.servers import process_state
+
 from .cluster import MASTERS, Cluster
 from .register import EVENTS, Register
 
@@ -192,8 +194,4 @@ class Nemesis:
 
 
 def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
+    return process_state(pid) == "T"
