@@ -29,7 +29,7 @@ from typing import Any
 
 logger = logging.getLogger("celery_redlock.linger")
 
-Command = tuple[Any, ...]
+Command = tuple[Any, ...] | bytes
 Send = Callable[[Sequence[Command]], None]
 
 _instances: weakref.WeakSet[Lingering] = weakref.WeakSet()
@@ -42,8 +42,9 @@ class Lingering:
         self.linger = linger
         self._send = send
         self._items: list[tuple[float, Command]] = []  # (send by, command), oldest first
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        # A plain Lock: add() and take() run once per task, and an RLock costs more to enter.
+        self._cond = threading.Condition(threading.Lock())
+        self._ticking = False  # a ticker thread runs (cheaper to read than Thread.is_alive())
         self._ticker_idle = False
         self._added = 0
         self._closed = False
@@ -54,12 +55,10 @@ class Lingering:
         with self._cond:
             self._items.append((time.monotonic() + self.linger, command))
             self._added += 1
-            if self._closed or self._thread is None or not self._thread.is_alive():
+            if self._closed or not self._ticking:
                 self._closed = False
-                self._thread = threading.Thread(
-                    target=self._tick, name="redlock-linger", daemon=True
-                )
-                self._thread.start()
+                self._ticking = True
+                threading.Thread(target=self._tick, name="redlock-linger", daemon=True).start()
             elif self._ticker_idle:
                 self._cond.notify()
 
@@ -86,11 +85,19 @@ class Lingering:
 
     def _forget_after_fork(self) -> None:
         self._items = []
-        self._cond = threading.Condition()
-        self._thread = None
+        self._cond = threading.Condition(threading.Lock())
+        self._ticking = False
         self._ticker_idle = False
 
     def _tick(self) -> None:
+        try:
+            self._tick_until_closed()
+        finally:
+            with self._cond:
+                if not self._closed:  # not replaced by a newer ticker (add after close)
+                    self._ticking = False
+
+    def _tick_until_closed(self) -> None:
         period = self.linger / 2
         seen = -1
         while True:

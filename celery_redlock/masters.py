@@ -28,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,7 +46,8 @@ from .errors import ConfigError
 
 logger = logging.getLogger("celery_redlock.masters")
 
-Command = tuple[Any, ...]
+# A command as its arguments, or already packed (bytes) by a wire.Template.
+Command = tuple[Any, ...] | bytes
 _IO_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError, wire.ProtocolError)
 _NOT_READY = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 RECV_SIZE = 65536
@@ -70,7 +71,26 @@ class Outcome:
     detail: str = ""
 
 
+# os.getpid() is a system call; taking and giving back links would make ten of them per round.
+# The pid is read once here and again in each forked child.
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
 _NOT_SENT = Outcome("error", detail="not sent")
+# Lock commands answer with one of a handful of values; their outcomes are shared, not rebuilt
+# once per master per round (Outcome is immutable).
+_COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}
+
+
+def _packed(command: Command) -> bytes:
+    return command if type(command) is bytes else wire.pack(command)
 
 
 class Link:
@@ -81,12 +101,14 @@ class Link:
     before the reply of the next command on this link.
     """
 
-    __slots__ = ("conn", "late", "owed", "reader", "sock")
+    __slots__ = ("conn", "late", "owed", "poller", "reader", "sock", "tls")
     conn: redis.Connection
     sock: socket.socket
+    poller: select.poll
     reader: wire.Reader
     owed: int
     late: bool
+    tls: bool
 
     def __init__(self, conn: redis.Connection) -> None:
         self.conn = conn
@@ -95,6 +117,9 @@ class Link:
         # Non-blocking: our poll decides when to read, so no call here can wait on its own.
         sock.settimeout(0.0)
         self.sock = sock
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.poller = select.poll()  # this socket alone, for waiting on its reply
+        self.poller.register(sock.fileno(), select.POLLIN)
         self.reader = wire.Reader()
         self.owed = 0
         self.late = False
@@ -130,9 +155,10 @@ class Link:
             raise RedisConnectionError("the master closed the connection")
         self.reader.feed(data)
         # TLS: bytes already decrypted sit inside the SSL object, where poll cannot see them.
-        pending = getattr(self.sock, "pending", None)
-        while pending is not None and pending():
-            self.reader.feed(self.sock.recv(RECV_SIZE))
+        if self.tls:
+            sock: Any = self.sock
+            while sock.pending():
+                self.reader.feed(sock.recv(RECV_SIZE))
 
     def skip_owed(self) -> bool:
         """Skip the owed replies already read in; True once none is owed."""
@@ -210,7 +236,7 @@ class Master:
         self._idle: list[Link] = []
         self._owing: list[Link] = []
         self._mutex = threading.Lock()
-        self._pid = os.getpid()
+        self._pid = _pid
         self._down_until = 0.0
         self._down_reason = ""
 
@@ -245,17 +271,17 @@ class Master:
     def _after_fork(self) -> None:
         # The parent's sockets are not ours to use; redis-py's disconnect() in a child only
         # closes the descriptor and leaves the parent's connection alone.
-        if self._pid != os.getpid():
+        if self._pid != _pid:
             with self._mutex:
-                if self._pid != os.getpid():
+                if self._pid != _pid:
                     self._idle.clear()
                     self._owing.clear()
-                    self._pid = os.getpid()
+                    self._pid = _pid
                     self._down_until = 0.0
 
     def take_idle(self) -> Link | None:
         """An idle link with no late reply, if one is ready (it may owe replies on time)."""
-        if self._pid != os.getpid():
+        if self._pid != _pid:
             self._after_fork()
         if not self._owing:
             # list.pop is atomic: the common case needs no mutex.
@@ -297,7 +323,7 @@ class Master:
         return Link(conn)
 
     def give_back(self, link: Link) -> None:
-        if self._pid != os.getpid():
+        if self._pid != _pid:
             return
         if not link.late:
             self._idle.append(link)
@@ -344,7 +370,7 @@ class Round:
 
     def __init__(self, masters: Sequence[Master], carry: Sequence[Command] = ()) -> None:
         self.masters = masters
-        self._carry = b"".join(map(wire.pack, carry)) if carry else b""
+        self._carry = b"".join(map(_packed, carry)) if carry else b""
         self._carried = len(carry)
         self.links: list[Link | None] = [master.take_idle() for master in masters]
         self.failures: list[str] = [""] * len(masters)
@@ -414,7 +440,7 @@ class Round:
                 continue
             try:
                 if command is not last:
-                    packed = carry + wire.pack(command) if command is not None else carry
+                    packed = carry + _packed(command) if command is not None else carry
                     last = command
                 if link.owed and not link.late:
                     # Owed replies that are already here are read now, so that the poll below
@@ -433,8 +459,41 @@ class Round:
         return sent
 
     def _collect(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:
-        # One poll over every socket that owes us a reply, then read whichever are ready: a
-        # syscall per round plus one recv per reply.
+        # Wait for the master written to last, alone, then read every link without waiting.
+        # Masters answer in about the order they were written to (co-located ones are woken in
+        # that order), so by the time the last reply is in the others usually are too, and the
+        # round sleeps once rather than once per master. Stragglers go through one poll loop;
+        # masters on hosts of their own answer in any order and just meet that loop sooner.
+        last = self.links[waiting[-1]]
+        assert last is not None
+        remaining = deadline - time.monotonic()
+        if remaining > 0 and not (last.tls and last.sock.pending()):  # type: ignore[attr-defined]
+            last.poller.poll(remaining * 1000)
+        pending = [i for i in waiting if not self._read(i, outcomes)]
+        if pending:
+            self._poll_rest(pending, deadline, outcomes)
+
+    def _read(self, i: int, outcomes: list[Outcome]) -> bool:
+        """Take master i's reply if it has arrived in full; True once ``outcomes[i]`` is set."""
+        link = self.links[i]
+        assert link is not None
+        try:
+            link.fill()
+            reply = link.reply()
+        except _IO_ERRORS as exc:
+            outcomes[i] = self._drop(i, exc)
+            return True
+        if reply is wire.NOTHING:
+            return False  # part of a reply, or only owed ones
+        if isinstance(reply, wire.ReplyError):
+            outcomes[i] = Outcome("error", detail=f"ResponseError: {reply}")
+        else:
+            common = _COMMON_OK.get(reply) if type(reply) is not list else None
+            outcomes[i] = common or Outcome("ok", reply)
+        return True
+
+    def _poll_rest(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:
+        # One poll over every socket that still owes us a reply, then read whichever are ready.
         poller = select.poll()
         by_fd: dict[int, int] = {}
         for i in waiting:
@@ -449,24 +508,9 @@ class Round:
             if not ready:
                 break
             for fd, _ in ready:
-                i = by_fd[fd]
-                link = self.links[i]
-                assert link is not None
-                try:
-                    link.fill()
-                    reply = link.reply()
-                except _IO_ERRORS as exc:
-                    reply = exc
-                if reply is wire.NOTHING:
-                    continue  # part of a reply, or only owed ones: poll again
-                del by_fd[fd]
-                poller.unregister(fd)
-                if isinstance(reply, BaseException):
-                    outcomes[i] = self._drop(i, reply)
-                elif isinstance(reply, wire.ReplyError):
-                    outcomes[i] = Outcome("error", detail=f"ResponseError: {reply}")
-                else:
-                    outcomes[i] = Outcome("ok", reply)
+                if self._read(by_fd[fd], outcomes):
+                    del by_fd[fd]
+                    poller.unregister(fd)
         for i in by_fd.values():
             link = self.links[i]
             assert link is not None
@@ -487,6 +531,6 @@ class Round:
         self.close()
 
 
-def script_call(script: scripts.Script, keys: Iterable[str], args: Iterable[Any]) -> Command:
-    keys = list(keys)
-    return ("EVAL", script.source, len(keys), *keys, *args)
+def script_template(script: scripts.Script, keys: int, args: int) -> wire.Template:
+    """``EVAL`` of ``script`` with its source packed once: ``.pack(*keys, *args)`` per call."""
+    return wire.Template(("EVAL", script.source, keys), keys + args)

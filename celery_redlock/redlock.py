@@ -26,10 +26,10 @@ from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
-from . import scripts
+from . import scripts, wire
 from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
 from .linger import Lingering
-from .masters import Command, Master, Outcome, Round, script_call
+from .masters import Command, Master, Outcome, Round, script_template
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -37,6 +37,11 @@ logger = logging.getLogger("celery_redlock.redlock")
 MAX_NAME_LENGTH = 512
 CLOCK_DRIFT_FLOOR = 0.002
 MAX_RELEASE_LINGER = 1.0
+
+# The commands, packed from templates: only key, token and TTL are encoded per call.
+ACQUIRE = wire.Template(("SET",), 5)  # key token NX PX <ms>
+RELEASE = script_template(scripts.RELEASE, 1, 1)  # key token
+EXTEND = script_template(scripts.EXTEND, 1, 2)  # key token <ms>
 
 
 class RedlockWarning(UserWarning):
@@ -128,6 +133,9 @@ class Redlock:
             warnings.warn(message, RedlockWarning, stacklevel=2)
             logger.warning(message)
         self.quorum = len(self.masters) // 2 + 1
+        # Votes are immutable; the two answers a healthy master gives are shared, not rebuilt.
+        self._granted_votes = [Vote(m.name, "yes") for m in self.masters]
+        self._refused_votes = [Vote(m.name, "held") for m in self.masters]
         self._lingering = (
             Lingering(self.release_linger, self._send_released) if self.release_linger else None
         )
@@ -174,16 +182,22 @@ class Redlock:
         with Round(self.masters, commands) as rnd:
             rnd.send([None] * len(self.masters), self.request_timeout)
 
-    def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> list[Vote]:
+    def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> tuple[list[Vote], int]:
         """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
-        does not (the key is someone else's, or gone), else the error or timeout."""
+        does not (the key is someone else's, or gone), else the error or timeout; and how many
+        said yes."""
         votes = []
-        for master, outcome in zip(self.masters, outcomes, strict=True):
+        yes = 0
+        for i, outcome in enumerate(outcomes):
             if outcome.kind == "ok":
-                votes.append(Vote(master.name, "yes" if outcome.value == granted else "held"))
+                if outcome.value == granted:
+                    votes.append(self._granted_votes[i])
+                    yes += 1
+                else:
+                    votes.append(self._refused_votes[i])
             else:
-                votes.append(Vote(master.name, outcome.kind, outcome.detail))
-        return votes
+                votes.append(Vote(self.masters[i].name, outcome.kind, outcome.detail))
+        return votes, yes
 
     def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
@@ -191,22 +205,23 @@ class Redlock:
         On failure every master is sent the release on the link the acquire used, so a late
         write is always followed by its deletion.
         """
-        acquire = ("SET", key, token, "NX", "PX", int(ttl * 1000))
+        acquire = ACQUIRE.pack(key, token, "NX", "PX", int(ttl * 1000))
         with self._round() as rnd:
             t_start = time.monotonic()
             outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
             elapsed = time.monotonic() - t_start
-            votes = self._votes(outcomes, granted=b"OK")
-            granted = sum(1 for v in votes if v.kind == "yes")
+            votes, granted = self._votes(outcomes, granted=b"OK")
             validity = ttl - elapsed - self.drift(ttl)
-            release = script_call(scripts.RELEASE, [key], [token])
             if granted >= self.quorum and validity > 0:
-                # A master that answered late may still set the key; retract it on the same link
-                # (not waited for) so the key cannot outlive our release.
-                late = [release if v.kind == "timeout" else None for v in votes]
-                if any(late):
-                    rnd.send(late, self.request_timeout)
+                if granted < len(votes):
+                    # A master that answered late may still set the key; retract it on the same
+                    # link (not waited for) so the key cannot outlive our release.
+                    release = RELEASE.pack(key, token)
+                    late = [release if v.kind == "timeout" else None for v in votes]
+                    if any(late):
+                        rnd.send(late, self.request_timeout)
                 return validity, votes, elapsed
+            release = RELEASE.pack(key, token)
             # A master that answered "held" refused our SET: nothing of ours is there to delete.
             # Every other one (yes, error, timeout) may hold our token and gets the release.
             retract = [None if v.kind == "held" else release for v in votes]
@@ -216,13 +231,12 @@ class Redlock:
 
     def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
         """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
-        command = script_call(scripts.EXTEND, [key], [token, int(ttl * 1000)])
+        command = EXTEND.pack(key, token, int(ttl * 1000))
         with self._round() as rnd:
             t_start = time.monotonic()
             outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
             elapsed = time.monotonic() - t_start
-        votes = self._votes(outcomes)
-        granted = sum(1 for v in votes if v.kind == "yes")
+        votes, granted = self._votes(outcomes)
         validity = ttl - elapsed - self.drift(ttl)
         return (validity if granted >= self.quorum else 0.0), votes, elapsed
 
@@ -234,7 +248,7 @@ class Redlock:
         would only tell us what expiry makes true anyway, at the price of a round trip. With
         ``release_linger`` set (and ``linger``), it waits to travel with the next round.
         """
-        command = script_call(scripts.RELEASE, [key], [token])
+        command = RELEASE.pack(key, token)
         if linger and self._lingering is not None:
             self._lingering.add(command)
             return

@@ -34,6 +34,10 @@ class _Nothing:
 # What Reader.get returns while no complete reply is buffered (None is a valid reply: nil).
 NOTHING: Final = _Nothing()
 
+# Nearly every reply a lock command gets is one of these whole lines (OK, 1, 0, nil).
+_SHORT_REPLIES: Final[dict[bytes, Any]] = {b"+OK\r\n": b"OK", b":1\r\n": 1, b":0\r\n": 0,
+                                          b"$-1\r\n": None}
+
 
 def _encode(arg: Any) -> bytes:
     if isinstance(arg, bytes):
@@ -45,21 +49,30 @@ def _encode(arg: Any) -> bytes:
     raise TypeError(f"cannot send a {type(arg).__name__} to a master: {arg!r}")
 
 
+def _bulk(arg: Any) -> bytes:
+    data = arg.encode("utf-8", "surrogatepass") if type(arg) is str else _encode(arg)
+    return b"$%d\r\n%b\r\n" % (len(data), data)
+
+
 def pack(command: Sequence[Any]) -> bytes:
     """One command as a RESP2 array of bulk strings."""
-    out = bytearray(b"*%d\r\n" % len(command))
-    for arg in command:
-        kind = type(arg)
-        if kind is str:
-            data = arg.encode("utf-8", "surrogatepass")
-        elif kind is bytes:
-            data = arg
-        else:
-            data = _encode(arg)
-        out += b"$%d\r\n" % len(data)
-        out += data
-        out += b"\r\n"
-    return bytes(out)
+    return b"*%d\r\n" % len(command) + b"".join(map(_bulk, command))
+
+
+class Template:
+    """A command whose leading arguments never change, packed once; ``pack`` adds the rest.
+
+    The lock's commands repeat the same head on every call (``EVAL <script> 1`` is over a
+    hundred bytes), so only the key, the token and the like are encoded per call.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, head: Sequence[Any], tail: int) -> None:
+        self._head = b"*%d\r\n" % (len(head) + tail) + b"".join(map(_bulk, head))
+
+    def pack(self, *tail: Any) -> bytes:
+        return self._head + b"".join(map(_bulk, tail))
 
 
 class Reader:
@@ -72,7 +85,10 @@ class Reader:
         self._position = 0
 
     def feed(self, data: bytes) -> None:
-        if self._position:
+        if self._position >= len(self._buffer):  # all read: the usual case, nothing to keep
+            self._buffer = data
+            self._position = 0
+        elif self._position:
             self._buffer = self._buffer[self._position:] + data
             self._position = 0
         else:
@@ -83,7 +99,14 @@ class Reader:
 
     def get(self) -> Any:
         """The next complete reply, or :data:`NOTHING` until one has been fed in full."""
-        reply, end = self._parse(self._position)
+        start = self._position
+        line_end = self._buffer.find(b"\n", start) + 1
+        if line_end:
+            short = _SHORT_REPLIES.get(self._buffer[start:line_end], NOTHING)
+            if short is not NOTHING:
+                self._position = line_end
+                return short
+        reply, end = self._parse(start)
         if end < 0:
             return NOTHING
         self._position = end
