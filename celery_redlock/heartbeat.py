@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -32,6 +33,8 @@ OnLost = Callable[[Lock, str], None]
 # MIN_RETRY seconds), so a passing fault does not cost the lock.
 RETRY_FRACTION = 0.25
 MIN_RETRY = 0.02
+# The queue is compacted when it holds this many more forgotten entries than live ones.
+COMPACT_SLACK = 64
 
 
 @dataclass
@@ -63,6 +66,9 @@ class Heartbeat:
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # When the sleeping thread will next look at the queue (0 while it is awake, inf when it
+        # waits to be told): keep() wakes it only for a lock due before then.
+        self._sleep_until = 0.0
 
     def keep(
         self, lock: Lock, *, interval: float | None = None, on_lost: OnLost | None = None,
@@ -82,10 +88,9 @@ class Heartbeat:
             if old is not None:
                 old.done = True
             self._entries[id(lock)] = entry
-            # The thread sleeps until the earliest due time in the queue; it needs waking only
-            # when this lock is due before that (a thread wake-up per task costs more than the
-            # rest of keep() and forget() together).
-            wake = not self._queue or due < self._queue[0].at
+            # A thread wake-up per task costs more than the rest of keep() and forget() together,
+            # so the thread is woken only when this lock is due before it would wake anyway.
+            wake = due < self._sleep_until
             self._push(due, entry)
             self._ensure_thread()
             if wake:
@@ -97,6 +102,15 @@ class Heartbeat:
             entry = self._entries.pop(id(lock), None)
             if entry is not None:
                 entry.done = True
+                # The callback usually holds its owner's state (a task's lock and request data):
+                # a forgotten entry waiting in the queue must not keep that alive.
+                entry.on_lost = None
+            # Forgotten entries leave the queue lazily, when they come due a whole interval
+            # later; a busy process forgets thousands per interval, and every one of them would
+            # sit in memory (and in the garbage collector's way) until then.
+            if len(self._queue) > 2 * len(self._entries) + COMPACT_SLACK:
+                self._queue = [due for due in self._queue if not due.entry.done]
+                heapq.heapify(self._queue)
 
     def kept(self) -> list[Lock]:
         """The locks kept alive now."""
@@ -125,20 +139,38 @@ class Heartbeat:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._stopping:
-                    while self._queue and self._queue[0].entry.done:
-                        heapq.heappop(self._queue)
-                    if self._queue and self._queue[0].at <= time.monotonic():
-                        break
-                    wait = self._queue[0].at - time.monotonic() if self._queue else None
-                    self._cond.wait(wait)
-                if self._stopping:
-                    return
-                due = heapq.heappop(self._queue).entry
+                due = self._wait_for_due()
+            if due is None:
+                return
             try:
                 self._beat(due)
             except Exception:  # a bug in one entry must not stop the others' heartbeat
                 logger.exception("heartbeat failed for one lock")
+
+    def _wait_for_due(self) -> _Entry | None:
+        """The next entry to extend, once due (called holding the condition); None to stop."""
+        while not self._stopping:
+            queue = self._queue  # forget() may replace it (compaction) while this one waits
+            now = time.monotonic()
+            # Forgotten entries are dropped without waiting for their due times. When nothing
+            # live is left, the thread still sleeps until the last dropped one would have come
+            # due: locks kept meanwhile are due later than that (their owners' intervals are
+            # alike), so keeping them costs no wake-up, and the thread looks at them then.
+            dropped_until = 0.0
+            while queue and queue[0].entry.done:
+                dropped_until = heapq.heappop(queue).at
+            if queue and queue[0].at <= now:
+                return heapq.heappop(queue).entry
+            if queue:
+                until = queue[0].at
+            elif dropped_until > now:
+                until = dropped_until
+            else:
+                until = math.inf
+            self._sleep_until = until
+            self._cond.wait(None if until == math.inf else until - now)
+            self._sleep_until = 0.0
+        return None
 
     def _beat(self, entry: _Entry) -> None:
         lock = entry.lock_ref()
