@@ -160,6 +160,13 @@ class Link:
             while sock.pending():
                 self.reader.feed(sock.recv(RECV_SIZE))
 
+    def read_reply(self) -> Any:
+        """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``."""
+        self.fill()
+        if self.owed and not self.skip_owed():
+            return wire.NOTHING
+        return self.reader.get()
+
     def skip_owed(self) -> bool:
         """Skip the owed replies already read in; True once none is owed."""
         while self.owed:
@@ -171,12 +178,6 @@ class Link:
                 logger.debug("a command nobody waited for failed: %s", skipped)
         self.late = False
         return True
-
-    def reply(self) -> Any:
-        """This link's next own reply, once the owed ones are skipped, or ``wire.NOTHING``."""
-        if self.owed and not self.skip_owed():
-            return wire.NOTHING
-        return self.reader.get()
 
     def drain(self) -> bool:
         """Read late replies that have already arrived; True when nothing is owed any more."""
@@ -459,27 +460,33 @@ class Round:
         return sent
 
     def _collect(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:
-        # Wait for the master written to last, alone, then read every link without waiting.
-        # Masters answer in about the order they were written to (co-located ones are woken in
-        # that order), so by the time the last reply is in the others usually are too, and the
-        # round sleeps once rather than once per master. Stragglers go through one poll loop;
-        # masters on hosts of their own answer in any order and just meet that loop sooner.
-        last = self.links[waiting[-1]]
-        assert last is not None
-        remaining = deadline - time.monotonic()
-        if remaining > 0 and not (last.tls and last.sock.pending()):  # type: ignore[attr-defined]
-            last.poller.poll(remaining * 1000)
-        pending = [i for i in waiting if not self._read(i, outcomes)]
-        if pending:
-            self._poll_rest(pending, deadline, outcomes)
+        # The replies are taken in order, waiting only on the link at hand: while we sleep on
+        # one master, the others' replies pile up in their sockets and are then read without
+        # waiting. A round usually sleeps once or twice, where a poll over every link would
+        # wake for each reply as it lands. A master that does not answer costs the remaining
+        # time once; every link after it is read without waiting.
+        for position, i in enumerate(waiting):
+            link = self.links[i]
+            assert link is not None
+            # The first master has had no time to answer yet: wait before the first read.
+            ready = position > 0
+            while not (ready and self._read(i, outcomes)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not link.poller.poll(remaining * 1000):
+                    if ready and self._read(i, outcomes):
+                        break  # arrived as the time ran out
+                    link.owed += 1
+                    link.late = True
+                    outcomes[i] = Outcome("timeout", detail="no reply within request_timeout")
+                    break
+                ready = True
 
     def _read(self, i: int, outcomes: list[Outcome]) -> bool:
         """Take master i's reply if it has arrived in full; True once ``outcomes[i]`` is set."""
         link = self.links[i]
         assert link is not None
         try:
-            link.fill()
-            reply = link.reply()
+            reply = link.read_reply()
         except _IO_ERRORS as exc:
             outcomes[i] = self._drop(i, exc)
             return True
@@ -491,32 +498,6 @@ class Round:
             common = _COMMON_OK.get(reply) if type(reply) is not list else None
             outcomes[i] = common or Outcome("ok", reply)
         return True
-
-    def _poll_rest(self, waiting: list[int], deadline: float, outcomes: list[Outcome]) -> None:
-        # One poll over every socket that still owes us a reply, then read whichever are ready.
-        poller = select.poll()
-        by_fd: dict[int, int] = {}
-        for i in waiting:
-            link = self.links[i]
-            assert link is not None
-            fd = link.sock.fileno()
-            by_fd[fd] = i
-            poller.register(fd, select.POLLIN)
-        while by_fd:
-            remaining = deadline - time.monotonic()
-            ready = poller.poll(remaining * 1000 if remaining > 0 else 0)
-            if not ready:
-                break
-            for fd, _ in ready:
-                if self._read(by_fd[fd], outcomes):
-                    del by_fd[fd]
-                    poller.unregister(fd)
-        for i in by_fd.values():
-            link = self.links[i]
-            assert link is not None
-            link.owed += 1
-            link.late = True
-            outcomes[i] = Outcome("timeout", detail="no reply within request_timeout")
 
     def close(self) -> None:
         for master, link in zip(self.masters, self.links, strict=True):
