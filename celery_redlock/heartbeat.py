@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .redlock import Lock
 
@@ -37,7 +37,7 @@ MIN_RETRY = 0.02
 COMPACT_SLACK = 64
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     lock_ref: weakref.ReferenceType[Lock]
     interval: float
@@ -48,11 +48,9 @@ class _Entry:
     capped: bool = False
 
 
-@dataclass(order=True)
-class _Due:
-    at: float
-    seq: int
-    entry: _Entry = field(compare=False)
+# Queue items are (due time, sequence, entry) tuples: the heap compares them in C, where an
+# ordered dataclass would run a Python __lt__ for every comparison of every push and pop.
+_Due = tuple[float, int, _Entry]
 
 
 class Heartbeat:
@@ -65,6 +63,7 @@ class Heartbeat:
         self._cond = threading.Condition()
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
+        self._running = False  # the thread runs (cheaper to read than Thread.is_alive())
         self._stopping = False
         # When the sleeping thread will next look at the queue (0 while it is awake, inf when it
         # waits to be told): keep() wakes it only for a lock due before then.
@@ -109,7 +108,7 @@ class Heartbeat:
             # later; a busy process forgets thousands per interval, and every one of them would
             # sit in memory (and in the garbage collector's way) until then.
             if len(self._queue) > 2 * len(self._entries) + COMPACT_SLACK:
-                self._queue = [due for due in self._queue if not due.entry.done]
+                self._queue = [due for due in self._queue if not due[2].done]
                 heapq.heapify(self._queue)
 
     def kept(self) -> list[Lock]:
@@ -128,15 +127,23 @@ class Heartbeat:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _push(self, at: float, entry: _Entry) -> None:
-        heapq.heappush(self._queue, _Due(at, next(self._seq), entry))
+        heapq.heappush(self._queue, (at, next(self._seq), entry))
 
     def _ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
+        if not self._running or self._stopping:  # stopping: that thread is on its way out
+            self._running = True
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._beat_until_stopped()
+        finally:
+            with self._cond:
+                self._running = False
+
+    def _beat_until_stopped(self) -> None:
         while True:
             with self._cond:
                 due = self._wait_for_due()
@@ -157,12 +164,12 @@ class Heartbeat:
             # due: locks kept meanwhile are due later than that (their owners' intervals are
             # alike), so keeping them costs no wake-up, and the thread looks at them then.
             dropped_until = 0.0
-            while queue and queue[0].entry.done:
-                dropped_until = heapq.heappop(queue).at
-            if queue and queue[0].at <= now:
-                return heapq.heappop(queue).entry
+            while queue and queue[0][2].done:
+                dropped_until = heapq.heappop(queue)[0]
+            if queue and queue[0][0] <= now:
+                return heapq.heappop(queue)[2]
             if queue:
-                until = queue[0].at
+                until = queue[0][0]
             elif dropped_until > now:
                 until = dropped_until
             else:

@@ -34,6 +34,11 @@ KeySpec = str | Callable[..., str] | None
 
 def render_value(value: object) -> str:
     """The canonical text of one argument value inside a lock name."""
+    kind = type(value)  # the two usual cases first (subclasses such as bool take the long way)
+    if kind is str:
+        return value  # type: ignore[return-value]
+    if kind is int:
+        return str(value)
     if value is None:
         return "none"
     if isinstance(value, bool):
@@ -109,6 +114,7 @@ class LockKey:
                 if p.default is not inspect.Parameter.empty
             }
         self._pieces: tuple[str, ...] = ()
+        self._positional: tuple[tuple[int, int], ...] | None = None
         if spec is None:
             return
         if callable(spec):
@@ -123,6 +129,12 @@ class LockKey:
             return
         # "a:<x>:<y>" -> ("a:", "x", ":", "y", ""): literal text at even indexes, fields at odd.
         self._pieces = tuple(PLACEHOLDER.split(spec))
+        # (piece index, argument index) per placeholder, for a call that passes every parameter
+        # positionally: the usual ``task.delay(a, b)`` needs no binding at all.
+        if self._plain is not None and all(f in self._plain for f in self.fields):
+            self._positional = tuple(
+                (i, self._plain.index(self._pieces[i])) for i in range(1, len(self._pieces), 2)
+            )
         params = self.signature.parameters if self.signature is not None else {}
         named = {
             n for n, p in params.items()
@@ -180,6 +192,15 @@ class LockKey:
             return name
         if not self.fields:
             return self.spec
+        if not kwargs and self._positional is not None and len(args) == len(self._plain or ()):
+            pieces = list(self._pieces)
+            for i, index in self._positional:
+                try:
+                    pieces[i] = render_value(args[index])
+                except TypeError as exc:
+                    raise ConfigError(f"task {self.task_name!r}: lock_key placeholder "
+                                      f"<{pieces[i]}>: {exc}") from exc
+            return "".join(pieces)
         values = self.bind(args, kwargs)
         pieces = list(self._pieces)
         for i in range(1, len(pieces), 2):

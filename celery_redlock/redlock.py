@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
-import secrets
 import threading
 import time
 import warnings
@@ -358,7 +358,8 @@ class Lock:
         attempts = 0
         while True:
             attempts += 1
-            token = secrets.token_hex(20)
+            # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
+            token = os.urandom(20).hex()
             with self._op:
                 validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
                 self.last_votes = votes

@@ -238,8 +238,9 @@ class RedlockTaskMixin:
         settings, redlock = app_redlock(self.app)
         options = self.lock_options(settings)
         name = self.lock_name(args, kwargs)
+        request = self.request  # a lookup through Celery's request stack each time
         if options.slot is not None:
-            published = _header(self.request, PUBLISHED_HEADER)
+            published = _header(request, PUBLISHED_HEADER)
             if published is None:
                 raise ConfigError(
                     f"task {self.name!r}: lock_slot needs the {PUBLISHED_HEADER!r} message header, "
@@ -251,7 +252,7 @@ class RedlockTaskMixin:
         started = time.monotonic()
         if lock.acquire(blocking=False):
             held = Held(lock, task_id, time.monotonic(), options.release == "on_expiry")
-            setattr(self.request, _REQUEST_ATTR, held)
+            setattr(request, _REQUEST_ATTR, held)
             with _held_mutex:
                 _held[task_id] = held
             if options.heartbeat:

@@ -96,6 +96,9 @@ def test_binding_agrees_with_inspect_for_every_way_of_calling() -> None:
         expected = signature.bind(*args, **kwargs)
         expected.apply_defaults()
         assert key.bind(args, kwargs) == dict(expected.arguments), (args, kwargs)
+        # Every parameter given positionally takes a path of its own that binds nothing.
+        named = expected.arguments
+        assert key.render(args, kwargs) == f"inv:{named['invoice_id']}:{named['currency']}"
     for args, kwargs in [((1, 2, "GBP", 4), {}), ((1,), {"invoice_id": 2}), ((), {"amount": 1}),
                          ((1,), {"invoce_id": 1})]:
         with pytest.raises(ConfigError, match="do not fit its signature"):
