@@ -11,8 +11,9 @@ A lingering lock is still a held lock: nobody else can take it, and its TTL stil
 the process dies. Only the holder's own next acquire of the same key sees it gone at once,
 because the release goes out ahead of that acquire on every link.
 
-The ticker runs only while releases keep coming: it wakes every ``linger / 2`` seconds, and stops
-after a tick in which nothing was added and nothing is left. Instances forget their releases in
+The ticker runs only while releases keep coming: it sleeps until the oldest waiting release is
+due (a whole ``linger`` when none waits), and stops after a whole linger in which nothing was
+added and nothing is left. Instances forget their releases in
 a forked child (they are the parent's to send) and send them at interpreter exit.
 """
 
@@ -98,11 +99,13 @@ class Lingering:
                     self._ticking = False
 
     def _tick_until_closed(self) -> None:
-        period = self.linger / 2
+        # Releases are sent a little ahead of their bound, so a wake-up that comes late still
+        # keeps it.
+        early = self.linger / 10
         seen = -1
         while True:
             with self._cond:
-                # Idle once a whole tick passed with nothing added and nothing left to send.
+                # Idle once a whole linger passed with nothing added and nothing left to send.
                 while not self._closed and not self._items and self._added == seen:
                     self._ticker_idle = True
                     self._cond.wait()
@@ -110,11 +113,17 @@ class Lingering:
                 if self._closed:
                     return
                 seen = self._added
-                self._cond.wait(period)
+                # Sleep until the oldest release is due, or a whole linger when none waits. A
+                # busy process's next round takes each release long before then, so the ticker
+                # wakes about once per linger and finds nothing to do; waking on every add
+                # would cost a thread switch per release.
+                now = time.monotonic()
+                wait = self._items[0][0] - early - now if self._items else self.linger
+                if wait > 0:
+                    self._cond.wait(wait)
                 if self._closed:
                     return
-                # Send what would otherwise wait past its bound before the next tick.
-                horizon = time.monotonic() + period
+                horizon = time.monotonic() + early
                 due = [command for by, command in self._items if by <= horizon]
                 if due:
                     self._items = [item for item in self._items if item[0] > horizon]
