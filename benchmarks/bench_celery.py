@@ -1,16 +1,23 @@
-"""Throughput of no-op tasks through a real worker, plain vs RedlockTask (N masters), same run.
+"""Throughput of no-op tasks through a real worker: plain, locked by RedlockTask, and the floor.
 
     python benchmarks/bench_celery.py [--tasks 2000] [--rounds 5] [--pools solo,prefork]
-                                      [--masters 1,3,5]
+                                      [--masters 1,3,5] [--linger SECONDS]
 
 Starts its own broker/backend server and lock masters on free loopback ports, and one real
-``celery worker`` per (master count, pool). Each worker runs ``--rounds`` rounds; a round is a
-batch of plain no-op tasks and a batch of locked no-op tasks (distinct keys, never reused),
-``--tasks`` each, in the order plain, locked in even rounds and locked, plain in odd ones. Each
-batch is timed from the first send until every result is in. Prints the median over rounds of
-the locked/plain ratio (a round's two batches see nearly the same machine, which a shared
-machine's drifting speed does not allow across rounds), the rates summed over all rounds, and
-the lock's extra wall time per task.
+``celery worker`` per (master count, pool). Each worker runs ``--rounds`` rounds; a round is three
+batches of ``--tasks`` no-op tasks, in an order that rotates from round to round:
+
+- ``plain``: no lock at all;
+- ``locked``: ``RedlockTask`` with a distinct key per task (never reused);
+- ``floor``: the least any Redlock task has to do, written inline in ``before_start``: ``SET key
+  token NX PX ttl`` to every master over a plain socket, count the OKs, and send the release
+  (compare-and-delete) in front of the next task's SET. No timeouts, no votes, no heartbeat, no
+  error handling: a same-run yardstick, not a lock anyone should use.
+
+Each batch is timed from the first send until every result is in. Prints, per worker, the median
+over rounds of locked/plain and floor/plain throughput (the batches of one round see nearly the
+same machine, which a shared machine's drifting speed does not allow across rounds), the rates
+over all rounds, and the CPU each kind added per task to the worker and to the masters.
 """
 
 from __future__ import annotations
@@ -30,7 +37,10 @@ from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
 APP_SOURCE = textwrap.dedent('''
     import os
-    from celery import Celery
+    import socket
+    from urllib.parse import urlparse
+
+    from celery import Celery, Task
     from celery_redlock import RedlockTask
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
@@ -45,7 +55,61 @@ APP_SOURCE = textwrap.dedent('''
     @app.task(base=RedlockTask, lock_key="bench:<i>", name="bench.locked")
     def locked(i):
         return i
+
+    RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+    def pack(*args):
+        parts = [b"*%d\\r\\n" % len(args)]
+        for arg in args:
+            data = arg if isinstance(arg, bytes) else str(arg).encode()
+            parts.append(b"$%d\\r\\n%b\\r\\n" % (len(data), data))
+        return b"".join(parts)
+
+    floor_state = {"pid": None}
+
+    def floor_links():
+        if floor_state["pid"] != os.getpid():  # connections of this process's own
+            socks = []
+            for url in os.environ["BENCH_MASTERS"].split(","):
+                parsed = urlparse(url)
+                sock = socket.create_connection((parsed.hostname, parsed.port))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                socks.append(sock)
+            floor_state.update(pid=os.getpid(), socks=socks, pending=b"", owed=0)
+        return floor_state
+
+    class FloorTask(Task):
+        abstract = True
+
+        def before_start(self, task_id, args, kwargs):
+            state = floor_links()
+            key, token = "floor:%s" % args[0], os.urandom(20).hex()
+            data = state["pending"] + pack("SET", key, token, "NX", "PX", 30000)
+            lines = state["owed"] + 1  # the carried release's reply, then the SET's
+            state["pending"], state["owed"] = b"", 0
+            for sock in state["socks"]:
+                sock.sendall(data)
+            granted = 0
+            for sock in state["socks"]:
+                reply = b""
+                while reply.count(b"\\r\\n") < lines:
+                    reply += sock.recv(65536)
+                granted += reply.endswith(b"+OK\\r\\n")
+            if granted <= len(state["socks"]) // 2:
+                raise RuntimeError(f"floor: {granted} of {len(state['socks'])} masters granted")
+            self.request.floor_lock = (key, token)
+
+        def after_return(self, status, retval, task_id, args, kwargs, einfo):
+            key, token = self.request.floor_lock
+            floor_state["pending"] += pack("EVAL", RELEASE, 1, key, token)
+            floor_state["owed"] += 1
+
+    @app.task(base=FloorTask, name="bench.floor")
+    def floor(i):
+        return i
 ''')
+
+KINDS = ("bench.plain", "bench.floor", "bench.locked")
 
 
 def run_batch(app: Celery, name: str, count: int, queue: str, first: int = 0) -> float:
@@ -100,63 +164,74 @@ def main() -> None:
                    "BENCH_LINGER": "" if args.linger is None else str(args.linger)}
             pids = [pid for pid in (m.pid for m in list(masters)[:count]) if pid is not None]
             for pool in args.pools.split(","):
-                rows.append((count, pool, *measure(client, pool, args, env, workdir, pids)))
+                rows.append((count, pool, measure(client, pool, args, env, workdir, pids)))
         client.close()
-    print(f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain and a locked batch "
-          f"(alternating which goes first), python {sys.version.split()[0]}; ratio: median over "
-          "rounds of locked/plain throughput")
-    print(f"{'masters':>7}  {'pool':<9}{'plain tasks/s':>14}{'locked tasks/s':>16}{'ratio':>7}"
-          f"{'lock ms/task':>14}{'worker CPU':>12}{'masters CPU':>13}")
-    for count, pool, plain_rate, locked_rate, ratio, overhead, worker_cpu, master_cpu in rows:
-        print(f"{count:>7}  {pool:<9}{plain_rate:>14.0f}{locked_rate:>16.0f}{ratio:>7.2f}"
-              f"{overhead:>14.2f}{worker_cpu:>12.2f}{master_cpu:>13.2f}")
-    print("lock ms/task: extra wall time per task per worker slot, (locked - plain) / tasks x "
-          "concurrency")
-    print("worker CPU, masters CPU: CPU ms per task the lock added to the worker (all its "
-          "processes) and to the masters")
+    print(f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain, a floor and a locked "
+          f"batch (order rotating), python {sys.version.split()[0]}; ratios: median over rounds of "
+          "throughput / plain throughput")
+    header = ("masters", "pool", "plain/s", "floor/s", "locked/s", "floor", "locked",
+              "locked/floor", "worker CPU floor", "worker CPU locked", "masters CPU floor",
+              "masters CPU locked")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("--:" if i != 1 else "---" for i in range(len(header))) + "|")
+    for count, pool, r in rows:
+        cells = [str(count), pool, f"{r['plain']:.0f}", f"{r['floor']:.0f}", f"{r['locked']:.0f}",
+                 f"{r['floor_ratio']:.2f}", f"{r['locked_ratio']:.2f}",
+                 f"{r['locked_ratio'] / r['floor_ratio']:.2f}",
+                 f"{r['floor_worker']:.2f}", f"{r['locked_worker']:.2f}",
+                 f"{r['floor_masters']:.2f}", f"{r['locked_masters']:.2f}"]
+        print("| " + " | ".join(cells) + " |")
+    print("floor, locked: median over rounds of that batch's throughput / the plain batch's")
+    print("CPU columns: ms per task that kind added over plain, to the worker (all its processes) "
+          "and to the masters")
 
 
 def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, str],
-            workdir: Path, master_pids: list[int]) -> tuple[float, ...]:
-    """(plain tasks/s, locked tasks/s, ratio, lock ms per task, worker and masters CPU ms per
-    task added by the lock) for one pool, same worker."""
+            workdir: Path, master_pids: list[int]) -> dict[str, float]:
+    """Rates, median ratios and added CPU per task for one pool, all kinds in the same worker."""
     queue = f"bench-{pool}-{os.getpid()}-{len(env['BENCH_MASTERS'])}"
     concurrency = args.concurrency if pool == "prefork" else 1
     worker = CeleryWorker("benchapp", pool=pool, concurrency=concurrency, queues=[queue],
                           env=env, pythonpath=[str(workdir)], loglevel="WARNING")
     # WARNING keeps per-task log lines out of the timing; readiness then comes from a ping.
     worker.start(wait=False)
+    took: dict[str, list[float]] = {name: [] for name in KINDS}
+    cpu = {(name, who): 0.0 for name in KINDS for who in ("worker", "masters")}
     try:
         wait_pinged(client, worker)
-        run_batch(client, "bench.plain", 50, queue)  # warm up connections and pool
-        run_batch(client, "bench.locked", 50, queue, first=-50)
+        for name in KINDS:  # warm up connections, the pool and every code path
+            run_batch(client, name, 50, queue, first=-50)
         assert worker.pid is not None
         worker_pids = [worker.pid, *worker.child_pids()]
-        took = {"bench.plain": 0.0, "bench.locked": 0.0}
-        cpu = {(name, who): 0.0 for name in took for who in ("worker", "masters")}
-        ratios = []
         for round_ in range(args.rounds):
             first = round_ * args.tasks  # a fresh key per locked task: no lock is ever reused
-            order = ("bench.plain", "bench.locked") if round_ % 2 == 0 else (
-                "bench.locked", "bench.plain")
-            this_round = {}
-            for name in order:
+            shift = round_ % len(KINDS)
+            for name in KINDS[shift:] + KINDS[:shift]:
                 before = cpu_seconds(worker_pids), cpu_seconds(master_pids)
-                this_round[name] = run_batch(client, name, args.tasks, queue, first)
+                took[name].append(run_batch(client, name, args.tasks, queue, first))
                 cpu[name, "worker"] += cpu_seconds(worker_pids) - before[0]
                 cpu[name, "masters"] += cpu_seconds(master_pids) - before[1]
-                took[name] += this_round[name]
-            ratios.append(this_round["bench.plain"] / this_round["bench.locked"])
     finally:
         worker.stop()
     tasks = args.rounds * args.tasks
-    plain, locked = took["bench.plain"], took["bench.locked"]
+    plain = took["bench.plain"]
 
-    def added(who: str) -> float:
-        return (cpu["bench.locked", who] - cpu["bench.plain", who]) / tasks * 1000
+    def added(name: str, who: str) -> float:
+        return (cpu[name, who] - cpu["bench.plain", who]) / tasks * 1000
 
-    return (tasks / plain, tasks / locked, statistics.median(ratios),
-            (locked - plain) / tasks * 1000 * concurrency, added("worker"), added("masters"))
+    def ratio(name: str) -> float:
+        return statistics.median(p / t for p, t in zip(plain, took[name], strict=True))
+
+    return {
+        "plain": tasks / sum(plain), "floor": tasks / sum(took["bench.floor"]),
+        "locked": tasks / sum(took["bench.locked"]),
+        "floor_ratio": ratio("bench.floor"), "locked_ratio": ratio("bench.locked"),
+        "floor_worker": added("bench.floor", "worker"),
+        "locked_worker": added("bench.locked", "worker"),
+        "floor_masters": added("bench.floor", "masters"),
+        "locked_masters": added("bench.locked", "masters"),
+    }
+
 
 if __name__ == "__main__":
     main()
