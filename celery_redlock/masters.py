@@ -87,6 +87,8 @@ _NOT_SENT = Outcome("error", detail="not sent")
 # Lock commands answer with one of a handful of values; their outcomes are shared, not rebuilt
 # once per master per round (Outcome is immutable).
 _COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}
+# The outcome of a granted SET, shared by every master that granted one.
+GRANTED = _COMMON_OK[b"OK"]
 
 
 def _packed(command: Command) -> bytes:

@@ -29,7 +29,7 @@ from typing import Any
 from . import scripts, wire
 from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
 from .linger import Lingering
-from .masters import Command, Master, Outcome, Round, script_template
+from .masters import GRANTED, Command, Master, Outcome, Round, script_template
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -210,7 +210,10 @@ class Redlock:
             t_start = time.monotonic()
             outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
             elapsed = time.monotonic() - t_start
-            votes, granted = self._votes(outcomes, granted=b"OK")
+            if outcomes.count(GRANTED) == len(outcomes):  # the usual round: compared by identity
+                votes, granted = list(self._granted_votes), len(outcomes)
+            else:
+                votes, granted = self._votes(outcomes, granted=b"OK")
             validity = ttl - elapsed - self.drift(ttl)
             if granted >= self.quorum and validity > 0:
                 if granted < len(votes):
