@@ -164,7 +164,23 @@ class Link:
 
     def read_reply(self) -> Any:
         """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``."""
-        self.fill()
+        if self.tls or self.reader.buffered():
+            self.fill()
+        else:
+            try:
+                data = self.sock.recv(RECV_SIZE)
+            except _NOT_READY:
+                return wire.NOTHING  # nothing buffered and nothing new
+            if not data:
+                raise RedisConnectionError("the master closed the connection")
+            # The usual recv: exactly the owed replies and ours, each a short line. Taken whole,
+            # it needs no parsing; anything else goes through the reader.
+            run = wire.SHORT_RUNS.get(data)
+            if run is not None and run[0] == self.owed + 1:
+                self.owed = 0
+                self.late = False
+                return run[1]
+            self.reader.feed(data)
         if self.owed and not self.skip_owed():
             return wire.NOTHING
         return self.reader.get()

@@ -39,6 +39,20 @@ _SHORT_REPLIES: Final[dict[bytes, Any]] = {b"+OK\r\n": b"OK", b":1\r\n": 1, b":0
                                           b"$-1\r\n": None}
 
 
+def _short_runs(longest: int) -> dict[bytes, tuple[int, Any]]:
+    runs: dict[bytes, tuple[int, Any]] = {}
+    layer = dict(_SHORT_REPLIES)  # every run of `count` short replies -> its last reply
+    for count in range(1, longest + 1):
+        runs.update((data, (count, last)) for data, last in layer.items())
+        layer = {data + line: value for data in layer for line, value in _SHORT_REPLIES.items()}
+    return runs
+
+
+# What one recv usually holds: the replies owed to commands nobody waited for (carried releases)
+# and then this round's own, all short. Looked up whole, as (how many replies, the last one).
+SHORT_RUNS: Final[dict[bytes, tuple[int, Any]]] = _short_runs(3)
+
+
 def _encode(arg: Any) -> bytes:
     if isinstance(arg, bytes):
         return arg

@@ -12,7 +12,7 @@ import pytest
 
 from celery_redlock import scripts
 from celery_redlock.testing import ServerSet
-from celery_redlock.wire import NOTHING, ProtocolError, Reader, ReplyError, pack
+from celery_redlock.wire import NOTHING, SHORT_RUNS, ProtocolError, Reader, ReplyError, pack
 
 COMMANDS = [
     ("SET", "wire:a", "token", "NX", "PX", 60_000),
@@ -107,3 +107,16 @@ def test_pack_refuses_values_it_cannot_send_faithfully() -> None:
         pack(("SET", "k", 1.5))
     with pytest.raises(TypeError, match="bool"):
         pack(("SET", "k", True))
+
+
+def test_short_runs_read_as_the_reader_reads_them() -> None:
+    # The link takes a recv that is exactly one of these whole, without the reader; the table
+    # must say what the reader would have said: how many replies, and the last of them.
+    assert len(SHORT_RUNS) == 4 + 4**2 + 4**3
+    for data, (count, last) in SHORT_RUNS.items():
+        reader = Reader()
+        reader.feed(data)
+        replies = []
+        while (reply := reader.get()) is not NOTHING:
+            replies.append(reply)
+        assert (len(replies), replies[-1]) == (count, last), data
