@@ -60,7 +60,7 @@ class Heartbeat:
         self._name = name
         self._queue: list[_Due] = []
         self._entries: dict[int, _Entry] = {}
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken re-entrantly
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
         self._running = False  # the thread runs (cheaper to read than Thread.is_alive())
