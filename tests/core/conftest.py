@@ -4,7 +4,8 @@ redis-server 7: the lock must behave the same on both."""
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -59,3 +60,13 @@ def values_on(masters: ServerSet, key: str) -> dict[str, bytes | None]:
         finally:
             client.close()
     return values
+
+
+def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())

@@ -12,21 +12,14 @@ from celery_redlock import Lock, Redlock
 from celery_redlock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
 
+from .conftest import wait_for
+
 
 @pytest.fixture
 def heartbeat() -> Heartbeat:
     beat = Heartbeat(name="test-heartbeat")
     yield beat  # type: ignore[misc]
     beat.stop()
-
-
-def wait_for(predicate: object, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return bool(predicate())  # type: ignore[operator]
 
 
 def test_keeps_a_lock_for_many_ttls(rl: Redlock, heartbeat: Heartbeat) -> None:
