@@ -36,11 +36,11 @@ def stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
         headers[PUBLISHED_HEADER] = time.time()
 
 
-def release_after_run(sender: Any = None, state: str | None = None, **_: Any) -> None:
-    from .task import RedlockTaskMixin
+def release_after_run(sender: Any = None, task_id: str | None = None, state: str | None = None,
+                      **_: Any) -> None:
+    from .task import finish_after_run
 
-    if isinstance(sender, RedlockTaskMixin):
-        sender._redlock_finish(state or "UNKNOWN")
+    finish_after_run(sender, task_id, state or "UNKNOWN")
 
 
 def release_revoked(request: Any = None, terminated: bool = False, **_: Any) -> None:

@@ -126,6 +126,14 @@ def release_task(task_id: str, reason: str) -> bool:
     return True
 
 
+def finish_after_run(task: Any, task_id: str | None, state: str) -> None:
+    """``task_postrun``: release what ``after_return`` did not (an ignored, rejected or
+    terminated run). Every task of the process ends here, locked or not, and after_return has
+    nearly always released already: a look in the registry is all that costs."""
+    if task_id is not None and task_id in _held and isinstance(task, RedlockTaskMixin):
+        task._redlock_finish(state)
+
+
 def _resolve_run(cls: type) -> tuple[Callable[..., Any] | None, bool]:
     """The task's body function and whether it takes the task as first argument."""
     for klass in cls.__mro__:

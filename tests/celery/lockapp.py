@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 from celery import Celery, Task
+from celery.exceptions import Ignore, Reject
 
 from celery_redlock import LockLost, RedlockTask, RedlockTaskMixin
 from celery_redlock import signals as lock_signals
@@ -79,6 +80,16 @@ def hold_or_skip(self: RedlockTask, key: str, seconds: float, record_to: str) ->
     time.sleep(seconds)
     record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now())
     return key
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", name="lockapp.gives_up")
+def gives_up(self: RedlockTask, key: str, how: str, record_to: str) -> None:
+    """Take the lock, then end the run with Ignore or Reject, which skip after_return."""
+    assert self.redlock is not None and self.redlock.owned()
+    record(record_to, event="holding", key=key, task_id=self.request.id)
+    if how == "ignore":
+        raise Ignore()
+    raise Reject("given up", requeue=False)
 
 
 @app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=0.6, name="lockapp.long_hold")

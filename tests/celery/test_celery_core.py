@@ -242,3 +242,21 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
             wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
     finally:
         worker.stop()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["ignore", "reject"])
+def test_a_run_ended_by_ignore_or_reject_releases_its_lock(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str], how: str,
+) -> None:
+    """Ignore and Reject from the body skip after_return; the task_postrun hook releases the
+    lock instead, long before its 5 s TTL would."""
+    _, queue, _ = pool
+    lockapp.gives_up.apply_async((tag, how, tag), queue=queue)
+    wait_for(lambda: records(lockapp, tag), 30, "the run to take its lock")
+    taken = time.monotonic()
+    with Redlock(redlock_master_urls) as check:
+        lock = check.lock(f"res:{tag}", ttl=5.0)
+        assert lock.acquire(timeout=3.0), f"the {how}d run's lock was left to expire"
+        assert time.monotonic() - taken < 3.0
+        lock.release()
