@@ -195,11 +195,7 @@ class LockKey:
         if not kwargs and self._positional is not None and len(args) == len(self._plain or ()):
             pieces = list(self._pieces)
             for i, index in self._positional:
-                try:
-                    pieces[i] = render_value(args[index])
-                except TypeError as exc:
-                    raise ConfigError(f"task {self.task_name!r}: lock_key placeholder "
-                                      f"<{pieces[i]}>: {exc}") from exc
+                pieces[i] = self._render_field(pieces[i], args[index])
             return "".join(pieces)
         values = self.bind(args, kwargs)
         pieces = list(self._pieces)
@@ -208,12 +204,15 @@ class LockKey:
             if field not in values:
                 raise ConfigError(f"task {self.task_name!r}: lock_key placeholder <{field}> "
                                   "was not given in this call")
-            try:
-                pieces[i] = render_value(values[field])
-            except TypeError as exc:
-                raise ConfigError(f"task {self.task_name!r}: lock_key placeholder <{field}>: "
-                                  f"{exc}") from exc
+            pieces[i] = self._render_field(field, values[field])
         return "".join(pieces)
+
+    def _render_field(self, field: str, value: object) -> str:
+        try:
+            return render_value(value)
+        except TypeError as exc:
+            raise ConfigError(f"task {self.task_name!r}: lock_key placeholder <{field}>: "
+                              f"{exc}") from exc
 
     def __repr__(self) -> str:
         return f"<LockKey {self.task_name}: {self.spec!r}>"
