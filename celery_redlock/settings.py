@@ -147,6 +147,8 @@ def _release_linger(value: object) -> float:
 
 _cache: dict[int, tuple[int, RedlockSettings, Redlock]] = {}
 _cache_lock = threading.Lock()
+# Read once and again in each forked child: os.getpid() is a system call, and this runs per task.
+_pid = os.getpid()
 
 
 def app_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
@@ -154,7 +156,7 @@ def app_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
 
     Rebuilt when the process id changed (a prefork child), so connections are never inherited.
     """
-    pid = os.getpid()
+    pid = _pid
     with _cache_lock:
         cached = _cache.get(id(app))
         if cached is not None and cached[0] == pid:
@@ -181,7 +183,8 @@ def close_app_redlock(app: Any | None = None) -> None:
 
 
 def _forget_after_fork() -> None:
-    global _cache_lock
+    global _cache_lock, _pid
+    _pid = os.getpid()
     # The parent's connections belong to the parent: drop them without closing.
     _cache.clear()
     _cache_lock = threading.Lock()
