@@ -35,13 +35,15 @@ from celery import Celery
 
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
+HERE = Path(__file__).resolve().parent  # floor.py is imported from here by the worker
+
 APP_SOURCE = textwrap.dedent('''
     import os
-    import socket
-    from urllib.parse import urlparse
 
     from celery import Celery, Task
-    from celery_redlock import RedlockTask
+    from floor import RawMasters, pack
+
+    from celery_redlock import RedlockTask, scripts
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
     app.conf.update(redlock_masters=os.environ["BENCH_MASTERS"], worker_prefetch_multiplier=16)
@@ -56,53 +58,30 @@ APP_SOURCE = textwrap.dedent('''
     def locked(i):
         return i
 
-    RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-
-    def pack(*args):
-        parts = [b"*%d\\r\\n" % len(args)]
-        for arg in args:
-            data = arg if isinstance(arg, bytes) else str(arg).encode()
-            parts.append(b"$%d\\r\\n%b\\r\\n" % (len(data), data))
-        return b"".join(parts)
-
     floor_state = {"pid": None}
 
-    def floor_links():
-        if floor_state["pid"] != os.getpid():  # connections of this process's own
-            socks = []
-            for url in os.environ["BENCH_MASTERS"].split(","):
-                parsed = urlparse(url)
-                sock = socket.create_connection((parsed.hostname, parsed.port))
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                socks.append(sock)
-            floor_state.update(pid=os.getpid(), socks=socks, pending=b"", owed=0)
-        return floor_state
-
     class FloorTask(Task):
+        """The floor (benchmarks/floor.py): raw SET NX PX, the release carried by the next one."""
+
         abstract = True
 
         def before_start(self, task_id, args, kwargs):
-            state = floor_links()
+            if floor_state["pid"] != os.getpid():  # connections of this process's own
+                urls = os.environ["BENCH_MASTERS"].split(",")
+                floor_state.update(pid=os.getpid(), masters=RawMasters(urls), carry=b"")
+            masters = floor_state["masters"]
             key, token = "floor:%s" % args[0], os.urandom(20).hex()
-            data = state["pending"] + pack("SET", key, token, "NX", "PX", 30000)
-            lines = state["owed"] + 1  # the carried release's reply, then the SET's
-            state["pending"], state["owed"] = b"", 0
-            for sock in state["socks"]:
-                sock.sendall(data)
-            granted = 0
-            for sock in state["socks"]:
-                reply = b""
-                while reply.count(b"\\r\\n") < lines:
-                    reply += sock.recv(65536)
-                granted += reply.endswith(b"+OK\\r\\n")
-            if granted <= len(state["socks"]) // 2:
-                raise RuntimeError(f"floor: {granted} of {len(state['socks'])} masters granted")
+            granted = masters.call(floor_state["carry"] + pack("SET", key, token, "NX", "PX", 30000))
+            floor_state["carry"] = b""
+            if sum(reply == b"+OK" for reply in granted) < masters.quorum:
+                raise RuntimeError(f"floor: no quorum granted {key}")
             self.request.floor_lock = (key, token)
 
         def after_return(self, status, retval, task_id, args, kwargs, einfo):
             key, token = self.request.floor_lock
-            floor_state["pending"] += pack("EVAL", RELEASE, 1, key, token)
-            floor_state["owed"] += 1
+            masters = floor_state["masters"]
+            floor_state["carry"] += pack("EVAL", scripts.RELEASE.source, 1, key, token)
+            masters.owed = [owed + 1 for owed in masters.owed]
 
     @app.task(base=FloorTask, name="bench.floor")
     def floor(i):
@@ -192,7 +171,7 @@ def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, 
     queue = f"bench-{pool}-{os.getpid()}-{len(env['BENCH_MASTERS'])}"
     concurrency = args.concurrency if pool == "prefork" else 1
     worker = CeleryWorker("benchapp", pool=pool, concurrency=concurrency, queues=[queue],
-                          env=env, pythonpath=[str(workdir)], loglevel="WARNING")
+                          env=env, pythonpath=[str(workdir), str(HERE)], loglevel="WARNING")
     # WARNING keeps per-task log lines out of the timing; readiness then comes from a ping.
     worker.start(wait=False)
     took: dict[str, list[float]] = {name: [] for name in KINDS}

@@ -10,7 +10,8 @@ Uncontended: one thread, one resource, ``acquire(blocking=False)`` then ``releas
 iteration. The *floor* is the least any client could do for the same lock: ``SET key token NX PX
 ttl`` written to every master's socket and every reply read, then the release script (EVAL)
 written to every socket, its replies read just before the next command on each connection (as
-Redlock does: a release is sent, not waited for), over plain redis-py connections. Redlock and
+Redlock does: a release is sent, not waited for), over raw blocking sockets with no parser
+beyond counting lines (``benchmarks/floor.py``). Redlock and
 floor run in alternating blocks in the same process, so both see the same machine load; the
 ratio is what the lock logic costs.
 
@@ -36,72 +37,29 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import redis
+from floor import RawMasters
 
 from celery_redlock import Redlock
-from celery_redlock import scripts as lock_scripts
 from celery_redlock.testing import ServerSet
 
 TTL = 10.0
-# Generous: on a loaded 2-core machine a read can take tens of ms; a floor that gave up early
-# would not be a floor.
-FLOOR_SOCKET_TIMEOUT = 2.0
 # How long a contended run may overrun its duration before its processes are killed.
 CONTENDED_GRACE = 30.0
 
 
-# -- the floor: raw commands, poor man's multiplexing ---------------------------------------------
-class Floor:
-    """Plain redis-py connections, one per master: write the command to all, then read all."""
+# -- the floor: raw commands over raw sockets (benchmarks/floor.py) ------------------------------
+TTL_MS = int(TTL * 1000)
 
-    def __init__(self, urls: Sequence[str]) -> None:
-        self.conns: list[redis.Connection] = []
-        for url in urls:
-            parsed = urlparse(url)
-            conn = redis.Connection(
-                host=parsed.hostname or "127.0.0.1", port=parsed.port or 6379,
-                socket_timeout=FLOOR_SOCKET_TIMEOUT, socket_connect_timeout=FLOOR_SOCKET_TIMEOUT,
-            )
-            conn.connect()
-            self.conns.append(conn)
-        self.owed: dict[redis.Connection, int] = dict.fromkeys(self.conns, 0)
-        self.released: list[Any] = []  # the replies to the last releases, once read
-        self.quorum = len(self.conns) // 2 + 1
-        self.ttl_ms = int(TTL * 1000)
 
-    def fan_out(self, packed: list[bytes], conns: Sequence[redis.Connection]) -> list[Any]:
-        self.released = []
-        for conn in conns:
-            while self.owed[conn]:
-                self.released.append(conn.read_response())
-                self.owed[conn] -= 1
-            conn.send_packed_command(packed, check_health=False)
-        return [conn.read_response() for conn in conns]
-
-    def set_nx(self, key: str, token: str) -> list[Any]:
-        packed = self.conns[0].pack_command("SET", key, token, "NX", "PX", self.ttl_ms)
-        return self.fan_out(packed, self.conns)
-
-    def release(self, key: str, token: str, conns: Sequence[redis.Connection]) -> None:
-        packed = self.conns[0].pack_command("EVAL", lock_scripts.RELEASE.source, 1, key, token)
-        for conn in conns:
-            conn.send_packed_command(packed, check_health=False)
-            self.owed[conn] += 1
-
-    def try_hold(self, key: str) -> bool:
-        """One contended attempt: a hold is a quorum of OKs; every OK is then released."""
-        token = secrets.token_hex(20)
-        replies = self.set_nx(key, token)
-        won = [conn for conn, reply in zip(self.conns, replies, strict=True) if reply is not None]
-        if won:
-            self.release(key, token, won)
-        return len(won) >= self.quorum
-
-    def close(self) -> None:
-        for conn in self.conns:
-            conn.disconnect()
+def floor_try(floor: RawMasters, key: str) -> bool:
+    """One contended attempt: a hold is a quorum of OKs; every OK is then released."""
+    token = secrets.token_hex(20)
+    won = floor.set_nx(key, token, TTL_MS)
+    if won:
+        floor.release(key, token, won)
+    return len(won) >= floor.quorum
 
 
 # -- uncontended ----------------------------------------------------------------------------------
@@ -130,14 +88,13 @@ def redlock_step(redlock: Redlock, key: str) -> Callable[[], None]:
     return step
 
 
-def floor_step(floor: Floor, key: str) -> Callable[[], None]:
+def floor_step(floor: RawMasters, key: str) -> Callable[[], None]:
     def step() -> None:
         token = secrets.token_hex(20)
-        if not all(reply is not None for reply in floor.set_nx(key, token)):
+        granted = floor.set_nx(key, token, TTL_MS)
+        if len(granted) != len(floor.socks):
             raise RuntimeError("uncontended floor SET NX was refused")
-        if floor.released not in ([], [1] * len(floor.conns)):
-            raise RuntimeError(f"uncontended floor release deleted nothing: {floor.released}")
-        floor.release(key, token, floor.conns)
+        floor.release(key, token, granted)
 
     return step
 
@@ -152,7 +109,7 @@ def run_block(step: Callable[[], None], count: int, into: list[int]) -> None:
 
 def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
     redlock = Redlock(urls, ttl=TTL)
-    floor = Floor(urls)
+    floor = RawMasters(urls)
     try:
         steps = {
             "redlock": redlock_step(redlock, "bench:uncontended:redlock"),
@@ -195,7 +152,7 @@ def contender(
     """
     redlock = Redlock(urls, ttl=TTL, retry_count=0)
     lock = redlock.lock(f"{key}:redlock", ttl=TTL)
-    floor = Floor(urls)
+    floor = RawMasters(urls)
     floor_key = f"{key}:floor"
 
     def redlock_try() -> bool:
@@ -205,7 +162,7 @@ def contender(
         return False
 
     tries: dict[str, Callable[[], bool]] = {
-        "redlock": redlock_try, "floor": lambda: floor.try_hold(floor_key),
+        "redlock": redlock_try, "floor": lambda: floor_try(floor, floor_key),
     }
     holds = dict.fromkeys(KINDS, 0)
     attempts = dict.fromkeys(KINDS, 0)

@@ -1,0 +1,71 @@
+"""The floor both benchmarks measure against: Redlock's commands over raw sockets, nothing else.
+
+One blocking socket per master. A command is written to every socket, then every reply is read;
+a release is written and not waited for, and its reply is read in front of the next command's on
+that socket, which is what the library does too. There are no timeouts (a paused master would
+hang it), no votes, no error handling and no parser beyond counting lines: every reply a lock
+command gets (``+OK``, ``$-1``, ``:1``, ``:0``) is one line. It is a yardstick, not a lock.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Sequence
+from urllib.parse import urlparse
+
+from celery_redlock import scripts
+
+
+def pack(*args: object) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class RawMasters:
+    """One plain blocking socket per master; ``owed`` counts unread replies per socket."""
+
+    def __init__(self, urls: Sequence[str]) -> None:
+        self.socks: list[socket.socket] = []
+        for url in urls:
+            parsed = urlparse(url)
+            sock = socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or 6379))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.socks.append(sock)
+        self.owed = [0] * len(self.socks)
+        self.quorum = len(self.socks) // 2 + 1
+
+    def call(self, packed: bytes) -> list[bytes]:
+        """Write ``packed`` to every master, then read each one's reply (its line, no CRLF)."""
+        for sock in self.socks:
+            sock.sendall(packed)
+        replies = []
+        for i, sock in enumerate(self.socks):
+            lines = self.owed[i] + 1  # the owed releases' replies come first
+            data = b""
+            while data.count(b"\r\n") < lines:
+                data += sock.recv(65536)
+            self.owed[i] = 0
+            replies.append(data.split(b"\r\n")[-2])  # the last line is this command's reply
+        return replies
+
+    def send(self, packed: bytes, indexes: Sequence[int]) -> None:
+        """Write ``packed`` to the masters at ``indexes``; their replies are read later."""
+        for i in indexes:
+            self.socks[i].sendall(packed)
+            self.owed[i] += 1
+
+    def set_nx(self, key: str, token: str, ttl_ms: int) -> list[int]:
+        """SET NX PX on every master; the indexes of those that granted it."""
+        replies = self.call(pack("SET", key, token, "NX", "PX", ttl_ms))
+        return [i for i, reply in enumerate(replies) if reply == b"+OK"]
+
+    def release(self, key: str, token: str, indexes: Sequence[int]) -> None:
+        self.send(pack("EVAL", scripts.RELEASE.source, 1, key, token), indexes)
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close()
