@@ -99,6 +99,9 @@ def rmw(self: Any, resource: str, hold: float) -> None:
         reg.write(resource, value + 1, f"{client}:{token}")
         record["wrote"] = True
     except LockLost as exc:
+        # The loss may show at the first ensure(), before the work (a child paused just after it
+        # reported holding): report what the lock says now, not the value set before the work.
+        owned = lock.owned()
         record["lost"] = raised = f"LockLost: {exc.reason}"
     record["t_released"] = time.monotonic()  # the body is done; after_return releases
     reg.record(record)
