@@ -281,6 +281,16 @@ class Redlock:
         return sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
 
 
+def _valid_until(started: float, ttl: float, redlock: Redlock) -> float:
+    """When a grant asked for at ``started`` stops being safe to act on (monotonic clock).
+
+    Anchored before the round was sent, never at the moment its result is looked at: a holder
+    stalled between the round and that moment (a long GC, a SIGSTOP) must not come back believing
+    it holds a lock that the masters already let expire.
+    """
+    return started + ttl - redlock.drift(ttl)
+
+
 class Lock:
     """One resource's lock on a :class:`Redlock`. Shareable across threads.
 
@@ -364,11 +374,12 @@ class Lock:
             # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
             token = os.urandom(20).hex()
             with self._op:
+                started = time.monotonic()
                 validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
                 self.last_votes = votes
                 if validity > 0:
                     self._token = token
-                    self._valid_until = time.monotonic() + validity
+                    self._valid_until = _valid_until(started, self.ttl, redlock)
                     self._lost_reason = ""
                     self._failure = self._last_error = None
                     logger.debug("acquired %s in %.2f ms (validity %.3f s)", self.key,
@@ -401,10 +412,11 @@ class Lock:
             token = self._token
             if token is None or self._lost_reason or not self.owned():
                 return False
+            started = time.monotonic()
             validity, votes, _ = self.redlock.try_extend(self.key, token, ttl)
             self.last_votes = votes
             if validity > 0 and self._token == token:
-                self._valid_until = time.monotonic() + validity
+                self._valid_until = _valid_until(started, ttl, self.redlock)
                 return True
             gone = sum(1 for v in votes if v.kind == "held")
             if gone > len(votes) - self.redlock.quorum:

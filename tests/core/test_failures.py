@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from celery_redlock import LockNotAcquired, Redlock
+from celery_redlock import LockNotAcquired, Redlock, Vote
 from celery_redlock.testing import ServerSet
 
 from .conftest import keys_on
@@ -194,3 +194,31 @@ def test_a_refused_master_rejoins_without_a_cool_down(masters: ServerSet, fresh:
     assert lock.last_votes[3].kind == "yes", lock.last_votes[3]
     lock.release()
     fresh.close()
+
+
+class StallsAfterEachRound(Redlock):
+    """A holder that stalls (a long GC, a SIGSTOP) after the masters answered, before it looks at
+    the result: the worst moment for its idea of how long the lock is still good."""
+
+    stall = 0.5
+
+    def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        result = super().try_acquire(key, token, ttl)
+        time.sleep(self.stall)
+        return result
+
+    def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        result = super().try_extend(key, token, ttl)
+        time.sleep(self.stall)
+        return result
+
+
+def test_validity_counts_from_before_the_round_not_from_when_it_is_read(masters: ServerSet) -> None:
+    with StallsAfterEachRound(masters.urls, retry_count=0) as rl:
+        lock = rl.lock("stalled", ttl=1.0)
+        assert lock.acquire(blocking=False)
+        # The masters expire the key 1 s after they set it; the holder lost 0.5 s of that.
+        assert lock.validity < 1.0 - StallsAfterEachRound.stall, lock.validity
+        assert lock.extend()
+        assert lock.validity < 1.0 - StallsAfterEachRound.stall, lock.validity
+        lock.release()
