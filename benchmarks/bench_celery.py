@@ -149,18 +149,20 @@ def main() -> None:
           f"batch (order rotating), python {sys.version.split()[0]}; ratios: median over rounds of "
           "throughput / plain throughput")
     header = ("masters", "pool", "plain/s", "floor/s", "locked/s", "floor", "locked",
-              "locked/floor", "worker CPU floor", "worker CPU locked", "masters CPU floor",
+              "locked range", "locked/floor", "worker CPU floor", "worker CPU locked", "masters CPU floor",
               "masters CPU locked")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("--:" if i != 1 else "---" for i in range(len(header))) + "|")
     for count, pool, r in rows:
         cells = [str(count), pool, f"{r['plain']:.0f}", f"{r['floor']:.0f}", f"{r['locked']:.0f}",
                  f"{r['floor_ratio']:.2f}", f"{r['locked_ratio']:.2f}",
+                 f"{r['locked_low']:.2f}-{r['locked_high']:.2f}",
                  f"{r['locked_ratio'] / r['floor_ratio']:.2f}",
                  f"{r['floor_worker']:.2f}", f"{r['locked_worker']:.2f}",
                  f"{r['floor_masters']:.2f}", f"{r['locked_masters']:.2f}"]
         print("| " + " | ".join(cells) + " |")
-    print("floor, locked: median over rounds of that batch's throughput / the plain batch's")
+    print("floor, locked: median over rounds of that batch's throughput / the plain batch's; "
+          "locked range: the lowest and highest round")
     print("CPU columns: ms per task that kind added over plain, to the worker (all its processes) "
           "and to the masters")
 
@@ -198,13 +200,17 @@ def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, 
     def added(name: str, who: str) -> float:
         return (cpu[name, who] - cpu["bench.plain", who]) / tasks * 1000
 
+    def ratios(name: str) -> list[float]:
+        return [p / t for p, t in zip(plain, took[name], strict=True)]
+
     def ratio(name: str) -> float:
-        return statistics.median(p / t for p, t in zip(plain, took[name], strict=True))
+        return statistics.median(ratios(name))
 
     return {
         "plain": tasks / sum(plain), "floor": tasks / sum(took["bench.floor"]),
         "locked": tasks / sum(took["bench.locked"]),
         "floor_ratio": ratio("bench.floor"), "locked_ratio": ratio("bench.locked"),
+        "locked_low": min(ratios("bench.locked")), "locked_high": max(ratios("bench.locked")),
         "floor_worker": added("bench.floor", "worker"),
         "locked_worker": added("bench.locked", "worker"),
         "floor_masters": added("bench.floor", "masters"),
