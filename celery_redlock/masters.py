@@ -164,7 +164,8 @@ class Link:
 
     def read_reply(self) -> Any:
         """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``."""
-        if self.tls or self.reader.buffered():
+        reader = self.reader
+        if self.tls or reader.buffered():
             self.fill()
         else:
             try:
@@ -180,10 +181,10 @@ class Link:
                 self.owed = 0
                 self.late = False
                 return run[1]
-            self.reader.feed(data)
+            reader.feed(data)
         if self.owed and not self.skip_owed():
             return wire.NOTHING
-        return self.reader.get()
+        return reader.get()
 
     def skip_owed(self) -> bool:
         """Skip the owed replies already read in; True once none is owed."""
@@ -393,11 +394,12 @@ class Round:
         self._carried = len(carry)
         self.links: list[Link | None] = [master.take_idle() for master in masters]
         self.failures: list[str] = [""] * len(masters)
-        missing = [i for i, link in enumerate(self.links) if link is None]
-        if len(missing) == 1:
-            self._connect(missing[0])
-        elif missing:
-            list(_connector_pool().map(self._connect, missing))
+        if None in self.links:
+            missing = [i for i, link in enumerate(self.links) if link is None]
+            if len(missing) == 1:
+                self._connect(missing[0])
+            else:
+                list(_connector_pool().map(self._connect, missing))
 
     def _connect(self, index: int) -> None:
         try:
@@ -510,11 +512,12 @@ class Round:
             return True
         if reply is wire.NOTHING:
             return False  # part of a reply, or only owed ones
-        if isinstance(reply, wire.ReplyError):
+        if type(reply) is not list and reply in _COMMON_OK:
+            outcomes[i] = _COMMON_OK[reply]
+        elif isinstance(reply, wire.ReplyError):
             outcomes[i] = Outcome("error", detail=f"ResponseError: {reply}")
         else:
-            common = _COMMON_OK.get(reply) if type(reply) is not list else None
-            outcomes[i] = common or Outcome("ok", reply)
+            outcomes[i] = Outcome("ok", reply)
         return True
 
     def close(self) -> None:
@@ -532,4 +535,4 @@ class Round:
 
 def script_template(script: scripts.Script, keys: int, args: int) -> wire.Template:
     """``EVAL`` of ``script`` with its source packed once: ``.pack(*keys, *args)`` per call."""
-    return wire.Template(("EVAL", script.source, keys), keys + args)
+    return wire.Template(("EVAL", script.source, keys, *[wire.SLOT] * (keys + args)))

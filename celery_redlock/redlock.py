@@ -39,7 +39,7 @@ CLOCK_DRIFT_FLOOR = 0.002
 MAX_RELEASE_LINGER = 1.0
 
 # The commands, packed from templates: only key, token and TTL are encoded per call.
-ACQUIRE = wire.Template(("SET",), 5)  # key token NX PX <ms>
+ACQUIRE = wire.Template(("SET", wire.SLOT, wire.SLOT, "NX", "PX", wire.SLOT))  # key token <ms>
 RELEASE = script_template(scripts.RELEASE, 1, 1)  # key token
 EXTEND = script_template(scripts.EXTEND, 1, 2)  # key token <ms>
 
@@ -205,7 +205,7 @@ class Redlock:
         On failure every master is sent the release on the link the acquire used, so a late
         write is always followed by its deletion.
         """
-        acquire = ACQUIRE.pack(key, token, "NX", "PX", int(ttl * 1000))
+        acquire = ACQUIRE.pack(key, token, int(ttl * 1000))
         with self._round() as rnd:
             t_start = time.monotonic()
             outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)

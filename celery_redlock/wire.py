@@ -73,20 +73,42 @@ def pack(command: Sequence[Any]) -> bytes:
     return b"*%d\r\n" % len(command) + b"".join(map(_bulk, command))
 
 
-class Template:
-    """A command whose leading arguments never change, packed once; ``pack`` adds the rest.
+class _Slot:
+    __slots__ = ()
 
-    The lock's commands repeat the same head on every call (``EVAL <script> 1`` is over a
-    hundred bytes), so only the key, the token and the like are encoded per call.
+    def __repr__(self) -> str:
+        return "SLOT"
+
+
+# Marks, in a Template's command, an argument given per call.
+SLOT: Final = _Slot()
+
+
+class Template:
+    """A command packed once, but for the arguments marked :data:`SLOT`, which ``pack`` fills.
+
+    A lock sends the same few commands on every call, and the script's source alone is over a
+    hundred bytes; only the key, the token and the TTL change. The fixed parts are packed here,
+    and each call is then one ``%`` format of the whole command.
     """
 
-    __slots__ = ("_head",)
+    __slots__ = ("_format", "_slots")
 
-    def __init__(self, head: Sequence[Any], tail: int) -> None:
-        self._head = b"*%d\r\n" % (len(head) + tail) + b"".join(map(_bulk, head))
+    def __init__(self, command: Sequence[Any]) -> None:
+        pieces = [b"*%d\r\n" % len(command)]
+        for arg in command:
+            pieces.append(b"$%d\r\n%b\r\n" if arg is SLOT else _bulk(arg).replace(b"%", b"%%"))
+        self._format = b"".join(pieces)
+        self._slots = sum(1 for arg in command if arg is SLOT)
 
-    def pack(self, *tail: Any) -> bytes:
-        return self._head + b"".join(map(_bulk, tail))
+    def pack(self, *values: Any) -> bytes:
+        if len(values) != self._slots:
+            raise TypeError(f"this command takes {self._slots} arguments, got {len(values)}")
+        fields: list[Any] = []
+        for value in values:
+            data = value.encode("utf-8", "surrogatepass") if type(value) is str else _encode(value)
+            fields += (len(data), data)
+        return self._format % tuple(fields)
 
 
 class Reader:

@@ -12,7 +12,16 @@ import pytest
 
 from celery_redlock import scripts
 from celery_redlock.testing import ServerSet
-from celery_redlock.wire import NOTHING, SHORT_RUNS, ProtocolError, Reader, ReplyError, pack
+from celery_redlock.wire import (
+    NOTHING,
+    SHORT_RUNS,
+    SLOT,
+    ProtocolError,
+    Reader,
+    ReplyError,
+    Template,
+    pack,
+)
 
 COMMANDS = [
     ("SET", "wire:a", "token", "NX", "PX", 60_000),
@@ -107,6 +116,19 @@ def test_pack_refuses_values_it_cannot_send_faithfully() -> None:
         pack(("SET", "k", 1.5))
     with pytest.raises(TypeError, match="bool"):
         pack(("SET", "k", True))
+
+
+def test_a_template_packs_what_pack_packs() -> None:
+    # Fixed parts are %-escaped inside the template's format: a script with a literal % in it
+    # and a key with one must both come out byte for byte as pack() makes them.
+    script = "return string.format('%d%%', 5)"
+    template = Template(("EVAL", script, 1, SLOT, SLOT, "PX", SLOT))
+    for key, token, ttl in [("k", "t", 1), ("wire:%d é", b"\x00\xff%s", 60_000), ("", "", 0)]:
+        assert template.pack(key, token, ttl) == pack(("EVAL", script, 1, key, token, "PX", ttl))
+    with pytest.raises(TypeError, match="3 arguments, got 2"):
+        template.pack("k", "t")
+    with pytest.raises(TypeError, match="float"):
+        template.pack("k", "t", 1.5)
 
 
 def test_short_runs_read_as_the_reader_reads_them() -> None:
