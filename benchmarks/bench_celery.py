@@ -43,7 +43,8 @@ APP_SOURCE = textwrap.dedent('''
     from celery import Celery, Task
     from floor import RawMasters, pack
 
-    from celery_redlock import RedlockTask, scripts
+    from celery_redlock import RedlockTask
+    from celery_redlock.lock import scripts
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
     app.conf.update(redlock_masters=os.environ["BENCH_MASTERS"], worker_prefetch_multiplier=16)
@@ -126,10 +127,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="plain+locked batch pairs")
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
-    parser.add_argument("--linger", type=float, default=None,
-                        help="redlock_release_linger for the worker (default: the setting's)")
-    parser.add_argument("--masters", default="5",
-                        help="comma-separated lock master counts to measure, e.g. 1,3,5")
+    parser.add_argument(
+        "--linger",
+        type=float,
+        default=None,
+        help="redlock_release_linger for the worker (default: the setting's)",
+    )
+    parser.add_argument(
+        "--masters", default="5", help="comma-separated lock master counts to measure, e.g. 1,3,5"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.masters.split(",")]
 
@@ -139,41 +145,84 @@ def main() -> None:
     with RedisServer() as broker, ServerSet(max(counts)) as masters:
         client = Celery("bench-client", broker=broker.url, backend=broker.url)
         for count in counts:
-            env = {"BENCH_BROKER": broker.url, "BENCH_MASTERS": ",".join(masters.urls[:count]),
-                   "BENCH_LINGER": "" if args.linger is None else str(args.linger)}
+            env = {
+                "BENCH_BROKER": broker.url,
+                "BENCH_MASTERS": ",".join(masters.urls[:count]),
+                "BENCH_LINGER": "" if args.linger is None else str(args.linger),
+            }
             pids = [pid for pid in (m.pid for m in list(masters)[:count]) if pid is not None]
             for pool in args.pools.split(","):
                 rows.append((count, pool, measure(client, pool, args, env, workdir, pids)))
         client.close()
-    print(f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain, a floor and a locked "
-          f"batch (order rotating), python {sys.version.split()[0]}; ratios: median over rounds of "
-          "throughput / plain throughput")
-    header = ("masters", "pool", "plain/s", "floor/s", "locked/s", "floor", "locked",
-              "locked range", "locked/floor", "worker CPU floor", "worker CPU locked", "masters CPU floor",
-              "masters CPU locked")
+    print(
+        f"{args.tasks} no-op tasks per batch, {args.rounds} rounds of a plain, a floor and a locked "
+        f"batch (order rotating), python {sys.version.split()[0]}; ratios: median over rounds of "
+        "throughput / plain throughput"
+    )
+    header = (
+        "masters",
+        "pool",
+        "plain/s",
+        "floor/s",
+        "locked/s",
+        "floor",
+        "locked",
+        "locked range",
+        "locked/floor",
+        "worker CPU floor",
+        "worker CPU locked",
+        "masters CPU floor",
+        "masters CPU locked",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("--:" if i != 1 else "---" for i in range(len(header))) + "|")
     for count, pool, r in rows:
-        cells = [str(count), pool, f"{r['plain']:.0f}", f"{r['floor']:.0f}", f"{r['locked']:.0f}",
-                 f"{r['floor_ratio']:.2f}", f"{r['locked_ratio']:.2f}",
-                 f"{r['locked_low']:.2f}-{r['locked_high']:.2f}",
-                 f"{r['locked_ratio'] / r['floor_ratio']:.2f}",
-                 f"{r['floor_worker']:.2f}", f"{r['locked_worker']:.2f}",
-                 f"{r['floor_masters']:.2f}", f"{r['locked_masters']:.2f}"]
+        cells = [
+            str(count),
+            pool,
+            f"{r['plain']:.0f}",
+            f"{r['floor']:.0f}",
+            f"{r['locked']:.0f}",
+            f"{r['floor_ratio']:.2f}",
+            f"{r['locked_ratio']:.2f}",
+            f"{r['locked_low']:.2f}-{r['locked_high']:.2f}",
+            f"{r['locked_ratio'] / r['floor_ratio']:.2f}",
+            f"{r['floor_worker']:.2f}",
+            f"{r['locked_worker']:.2f}",
+            f"{r['floor_masters']:.2f}",
+            f"{r['locked_masters']:.2f}",
+        ]
         print("| " + " | ".join(cells) + " |")
-    print("floor, locked: median over rounds of that batch's throughput / the plain batch's; "
-          "locked range: the lowest and highest round")
-    print("CPU columns: ms per task that kind added over plain, to the worker (all its processes) "
-          "and to the masters")
+    print(
+        "floor, locked: median over rounds of that batch's throughput / the plain batch's; "
+        "locked range: the lowest and highest round"
+    )
+    print(
+        "CPU columns: ms per task that kind added over plain, to the worker (all its processes) "
+        "and to the masters"
+    )
 
 
-def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, str],
-            workdir: Path, master_pids: list[int]) -> dict[str, float]:
+def measure(
+    client: Celery,
+    pool: str,
+    args: argparse.Namespace,
+    env: dict[str, str],
+    workdir: Path,
+    master_pids: list[int],
+) -> dict[str, float]:
     """Rates, median ratios and added CPU per task for one pool, all kinds in the same worker."""
     queue = f"bench-{pool}-{os.getpid()}-{len(env['BENCH_MASTERS'])}"
     concurrency = args.concurrency if pool == "prefork" else 1
-    worker = CeleryWorker("benchapp", pool=pool, concurrency=concurrency, queues=[queue],
-                          env=env, pythonpath=[str(workdir), str(HERE)], loglevel="WARNING")
+    worker = CeleryWorker(
+        "benchapp",
+        pool=pool,
+        concurrency=concurrency,
+        queues=[queue],
+        env=env,
+        pythonpath=[str(workdir), str(HERE)],
+        loglevel="WARNING",
+    )
     # WARNING keeps per-task log lines out of the timing; readiness then comes from a ping.
     worker.start(wait=False)
     took: dict[str, list[float]] = {name: [] for name in KINDS}
@@ -207,10 +256,13 @@ def measure(client: Celery, pool: str, args: argparse.Namespace, env: dict[str, 
         return statistics.median(ratios(name))
 
     return {
-        "plain": tasks / sum(plain), "floor": tasks / sum(took["bench.floor"]),
+        "plain": tasks / sum(plain),
+        "floor": tasks / sum(took["bench.floor"]),
         "locked": tasks / sum(took["bench.locked"]),
-        "floor_ratio": ratio("bench.floor"), "locked_ratio": ratio("bench.locked"),
-        "locked_low": min(ratios("bench.locked")), "locked_high": max(ratios("bench.locked")),
+        "floor_ratio": ratio("bench.floor"),
+        "locked_ratio": ratio("bench.locked"),
+        "locked_low": min(ratios("bench.locked")),
+        "locked_high": max(ratios("bench.locked")),
         "floor_worker": added("bench.floor", "worker"),
         "locked_worker": added("bench.locked", "worker"),
         "floor_masters": added("bench.floor", "masters"),

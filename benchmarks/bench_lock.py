@@ -1,7 +1,7 @@
 """Redlock's cost over N loopback masters, against the floor of the same commands with no lock logic.
 
 Run:  python benchmarks/bench_lock.py [--masters 1,3,5] [--iterations 3000] [--duration 10]
-                                      [--processes 8]
+                                      [--processes 8] [--skip-degraded]
 
 The script starts its own masters (``celery_redlock.testing.ServerSet``; set
 ``CELERY_REDLOCK_SERVER_BIN`` to run another binary) and stops them when it ends.
@@ -22,6 +22,10 @@ succeeded (after a hold: all of them). Every process runs both loops, each on it
 alternating time slices (``--slice``) for ``--duration`` seconds each, so both see the same
 machine load. A failed try is retried at once, or after the same random delay (``--retry-delay``)
 for both.
+
+Degraded: the uncontended Redlock loop at the largest N, over N running masters and over the same
+masters with one of them stopped (its port refuses connections; it was up when the Redlock
+connected, and killed after), in alternating blocks: what a dead master costs every lock.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import redis
 from floor import RawMasters
 
 from celery_redlock import Redlock
-from celery_redlock.testing import ServerSet
+from celery_redlock.testing import RedisServer, ServerSet
 
 TTL = 10.0
 # How long a contended run may overrun its duration before its processes are killed.
@@ -107,6 +111,24 @@ def run_block(step: Callable[[], None], count: int, into: list[int]) -> None:
         into.append(clock() - t0)
 
 
+def alternate(
+    steps: dict[str, Callable[[], None]], iterations: int, warmup: int, block: int
+) -> list[Samples]:
+    """Each step timed ``iterations`` times after ``warmup``, in alternating blocks."""
+    samples = {name: Samples(name, []) for name in steps}
+    for step in steps.values():
+        run_block(step, warmup, [])
+    done = 0
+    while done < iterations:
+        count = min(block, iterations - done)
+        # Alternate which goes first, so neither always follows the other's cache effects.
+        order = list(steps) if (done // block) % 2 == 0 else list(reversed(steps))
+        for name in order:
+            run_block(steps[name], count, samples[name].ns)
+        done += count
+    return list(samples.values())
+
+
 def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
     redlock = Redlock(urls, ttl=TTL)
     floor = RawMasters(urls)
@@ -115,21 +137,32 @@ def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -
             "redlock": redlock_step(redlock, "bench:uncontended:redlock"),
             "floor": floor_step(floor, "bench:uncontended:floor"),
         }
-        samples = {name: Samples(name, []) for name in steps}
-        for step in steps.values():
-            run_block(step, warmup, [])
-        done = 0
-        while done < iterations:
-            count = min(block, iterations - done)
-            # Alternate which goes first, so neither always follows the other's cache effects.
-            order = list(steps) if (done // block) % 2 == 0 else list(reversed(steps))
-            for name in order:
-                run_block(steps[name], count, samples[name].ns)
-            done += count
-        return samples["redlock"], samples["floor"]
+        lock, raw = alternate(steps, iterations, warmup, block)
+        return lock, raw
     finally:
         floor.close()
         redlock.close()
+
+
+def degraded(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
+    """The uncontended Redlock loop over ``urls``, and over the same masters but the last, whose
+    place takes a master that is stopped after the Redlock has connected to it."""
+    with RedisServer() as doomed:
+        healthy = Redlock(urls, ttl=TTL)
+        hurt = Redlock([*urls[:-1], doomed.url], ttl=TTL)
+        try:
+            steps = {
+                "all up": redlock_step(healthy, "bench:degraded:healthy"),
+                "one stopped": redlock_step(hurt, "bench:degraded:hurt"),
+            }
+            for step in steps.values():
+                step()  # connected to every master while all are up
+            doomed.kill()
+            up, down = alternate(steps, iterations, warmup, block)
+            return up, down
+        finally:
+            hurt.close()
+            healthy.close()
 
 
 # -- contended ------------------------------------------------------------------------------------
@@ -142,8 +175,14 @@ def slice_kind(index: int) -> str:
 
 
 def contender(
-    urls: list[str], key: str, start_at: Any, ready: Any, results: Any, slices: int,
-    slice_length: float, retry_delay: float,
+    urls: list[str],
+    key: str,
+    start_at: Any,
+    ready: Any,
+    results: Any,
+    slices: int,
+    slice_length: float,
+    retry_delay: float,
 ) -> None:
     """One competing process: tries both kinds, each during its own time slices.
 
@@ -162,7 +201,8 @@ def contender(
         return False
 
     tries: dict[str, Callable[[], bool]] = {
-        "redlock": redlock_try, "floor": lambda: floor_try(floor, floor_key),
+        "redlock": redlock_try,
+        "floor": lambda: floor_try(floor, floor_key),
     }
     holds = dict.fromkeys(KINDS, 0)
     attempts = dict.fromkeys(KINDS, 0)
@@ -224,8 +264,9 @@ class Contended:
         return self.holds / self.duration
 
 
-def contended(urls: list[str], processes: int, duration: float, slice_length: float,
-              retry_delay: float) -> dict[str, Contended]:
+def contended(
+    urls: list[str], processes: int, duration: float, slice_length: float, retry_delay: float
+) -> dict[str, Contended]:
     """Both kinds, ``duration`` seconds each, in alternating slices of ``slice_length``."""
     ctx = multiprocessing.get_context("spawn")
     start_at = StartSignal(ctx)
@@ -235,8 +276,11 @@ def contended(urls: list[str], processes: int, duration: float, slice_length: fl
     slice_length = 2 * duration / slices
     key = f"bench:contended:{len(urls)}"
     procs = [
-        ctx.Process(target=contender, args=(urls, key, start_at, ready, results, slices,
-                                            slice_length, retry_delay), daemon=True)
+        ctx.Process(
+            target=contender,
+            args=(urls, key, start_at, ready, results, slices, slice_length, retry_delay),
+            daemon=True,
+        )
         for _ in range(processes)
     ]
     for proc in procs:
@@ -255,8 +299,7 @@ def contended(urls: list[str], processes: int, duration: float, slice_length: fl
                 total_attempts[kind] += attempts[kind]
         for proc in procs:
             proc.join(timeout=10)
-        return {kind: Contended(kind, total_holds[kind], total_attempts[kind], duration)
-                for kind in KINDS}
+        return {kind: Contended(kind, total_holds[kind], total_attempts[kind], duration) for kind in KINDS}
     finally:
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:
@@ -284,19 +327,28 @@ def flush(servers: ServerSet) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--masters", default="1,3,5", help="master counts to run, e.g. 1,3,5")
-    parser.add_argument("--iterations", type=int, default=3000,
-                        help="uncontended acquire+release iterations per implementation")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=3000,
+        help="uncontended acquire+release iterations per implementation",
+    )
     parser.add_argument("--warmup", type=int, default=300, help="uncontended warm-up iterations")
-    parser.add_argument("--block", type=int, default=100,
-                        help="uncontended iterations per alternating block")
+    parser.add_argument("--block", type=int, default=100, help="uncontended iterations per alternating block")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per contended run")
     parser.add_argument("--processes", type=int, default=8, help="contending processes")
-    parser.add_argument("--slice", type=float, default=1.0,
-                        help="contended: seconds per alternating redlock/floor slice")
-    parser.add_argument("--retry-delay", type=float, default=0.0,
-                        help="contended retry: random delay in [0, this) s (0 = retry at once)")
+    parser.add_argument(
+        "--slice", type=float, default=1.0, help="contended: seconds per alternating redlock/floor slice"
+    )
+    parser.add_argument(
+        "--retry-delay",
+        type=float,
+        default=0.0,
+        help="contended retry: random delay in [0, this) s (0 = retry at once)",
+    )
     parser.add_argument("--skip-contended", action="store_true")
     parser.add_argument("--skip-uncontended", action="store_true")
+    parser.add_argument("--skip-degraded", action="store_true")
     args = parser.parse_args(argv)
     try:
         counts = [int(n) for n in args.masters.split(",") if n.strip()]
@@ -310,11 +362,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.duration <= 0 or args.slice <= 0 or args.retry_delay < 0:
         parser.error("--duration and --slice must be > 0, --retry-delay >= 0")
 
-    print(f"python {sys.version.split()[0]}, redis-py {redis.__version__}, "
-          f"parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}, "
-          f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start")
+    print(
+        f"python {sys.version.split()[0]}, redis-py {redis.__version__}, "
+        f"parser {'hiredis' if redis.utils.HIREDIS_AVAILABLE else 'python'}, "
+        f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.2f} at start"
+    )
     unc_rows: list[list[object]] = []
     con_rows: list[list[object]] = []
+    deg_rows: list[list[object]] = []
     with ServerSet(max(counts)) as servers:
         print(f"masters: {servers[0].binary}")
         for n in counts:
@@ -323,34 +378,82 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush(servers)
                 lock, floor = uncontended(urls, args.iterations, args.warmup, args.block)
                 for s in (lock, floor):
-                    unc_rows.append([n, s.name, f"{s.p(0.5):.0f}", f"{s.p(0.99):.0f}",
-                                     f"{s.ops:.0f}", f"{s.p(0.5) / floor.p(0.5):.2f}x",
-                                     f"{s.ops / floor.ops:.2f}x"])
-                print(f"  N={n} uncontended: redlock p50 {lock.p(0.5):.0f} us, "
-                      f"floor p50 {floor.p(0.5):.0f} us", flush=True)
+                    unc_rows.append(
+                        [
+                            n,
+                            s.name,
+                            f"{s.p(0.5):.0f}",
+                            f"{s.p(0.99):.0f}",
+                            f"{s.ops:.0f}",
+                            f"{s.p(0.5) / floor.p(0.5):.2f}x",
+                            f"{s.ops / floor.ops:.2f}x",
+                        ]
+                    )
+                print(
+                    f"  N={n} uncontended: redlock p50 {lock.p(0.5):.0f} us, floor p50 {floor.p(0.5):.0f} us",
+                    flush=True,
+                )
             if not args.skip_contended:
                 flush(servers)
-                by_kind = contended(urls, args.processes, args.duration, args.slice,
-                                    args.retry_delay)
+                by_kind = contended(urls, args.processes, args.duration, args.slice, args.retry_delay)
                 runs = [by_kind["redlock"], by_kind["floor"]]
                 floor_run = runs[1]
                 for run in runs:
                     ratio = run.per_second / floor_run.per_second if floor_run.holds else float("nan")
-                    con_rows.append([n, run.name, f"{run.per_second:.0f}",
-                                     f"{run.attempts / run.duration:.0f}",
-                                     f"{run.holds / max(run.attempts, 1):.2f}", f"{ratio:.2f}x"])
-                print(f"  N={n} contended: redlock {runs[0].per_second:.0f}/s, "
-                      f"floor {floor_run.per_second:.0f}/s", flush=True)
+                    con_rows.append(
+                        [
+                            n,
+                            run.name,
+                            f"{run.per_second:.0f}",
+                            f"{run.attempts / run.duration:.0f}",
+                            f"{run.holds / max(run.attempts, 1):.2f}",
+                            f"{ratio:.2f}x",
+                        ]
+                    )
+                print(
+                    f"  N={n} contended: redlock {runs[0].per_second:.0f}/s, "
+                    f"floor {floor_run.per_second:.0f}/s",
+                    flush=True,
+                )
+        n = max(counts)
+        if not args.skip_degraded and n >= 3:  # with one master stopped, a quorum must remain
+            flush(servers)
+            up, down = degraded(servers.urls[:n], args.iterations, args.warmup, args.block)
+            for s in (up, down):
+                deg_rows.append(
+                    [
+                        n,
+                        s.name,
+                        f"{s.p(0.5):.0f}",
+                        f"{s.p(0.99):.0f}",
+                        f"{s.ops:.0f}",
+                        f"{s.p(0.5) / up.p(0.5):.2f}x",
+                    ]
+                )
+            print(
+                f"  N={n} degraded: redlock p50 {down.p(0.5):.0f} us with one master stopped, "
+                f"{up.p(0.5):.0f} us with all up",
+                flush=True,
+            )
 
     if unc_rows:
-        print(f"\nUncontended acquire+release, one thread, {args.iterations} iterations each after "
-              f"{args.warmup} warm-up, in alternating blocks of {args.block}")
-        print(table(["N", "impl", "p50 us", "p99 us", "ops/s", "p50 / floor", "ops/s / floor"],
-                    unc_rows))
+        print(
+            f"\nUncontended acquire+release, one thread, {args.iterations} iterations each after "
+            f"{args.warmup} warm-up, in alternating blocks of {args.block}"
+        )
+        print(table(["N", "impl", "p50 us", "p99 us", "ops/s", "p50 / floor", "ops/s / floor"], unc_rows))
+    if deg_rows:
+        print(
+            f"\nDegraded: the uncontended Redlock loop with all masters up and with one stopped, "
+            f"{args.iterations} iterations each, in alternating blocks of {args.block}"
+        )
+        print(table(["N", "masters", "p50 us", "p99 us", "ops/s", "p50 / all up"], deg_rows))
     if con_rows:
         retry = "at once" if args.retry_delay == 0 else f"after U[0, {args.retry_delay}) s"
-        print(f"\nContended: {args.processes} processes, one resource, {args.duration:g} s each, "
-              f"in alternating slices of about {args.slice:g} s, retry {retry}")
+        print(
+            f"\nContended: {args.processes} processes, one resource, {args.duration:g} s each, "
+            f"in alternating slices of about {args.slice:g} s, retry {retry}"
+        )
         print(table(["N", "impl", "holds/s", "tries/s", "holds/try", "holds / floor"], con_rows))
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
     return 0

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
-from celery_redlock import scripts
+from celery_redlock.lock import scripts
 
 
 def pack(*args: object) -> bytes:

@@ -1,18 +1,47 @@
-"""celery-redlock: at most one run at a time per resource, across a Celery fleet, by Redlock."""
+"""celery-redlock: at most one run at a time per resource, across a Celery fleet, by Redlock.
+
+The public names are loaded on first use (PEP 562): ``from celery_redlock import Redlock`` loads
+the lock core alone, and Celery is imported only when a Celery name (``RedlockTask``) is asked for.
+
+- ``celery_redlock.lock``: the Redlock algorithm over N masters; imports nothing of Celery.
+- ``celery_redlock.celery``: ``RedlockTask``, the beat scheduler, the ``celery redlock`` command.
+- ``celery_redlock.testing``: real servers and workers for tests (the ``embedded`` extra).
+"""
 
 from __future__ import annotations
 
-from .errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
-from .redlock import Lock, Redlock, RedlockWarning
-from .task import RedlockTask, RedlockTaskMixin
+import importlib
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("celery-redlock")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "ConfigError": "celery_redlock.errors",
+    "LockLost": "celery_redlock.errors",
+    "LockNotAcquired": "celery_redlock.errors",
+    "NotLocked": "celery_redlock.errors",
+    "RedlockError": "celery_redlock.errors",
+    "Vote": "celery_redlock.errors",
+    "Lock": "celery_redlock.lock.redlock",
+    "Redlock": "celery_redlock.lock.redlock",
+    "RedlockWarning": "celery_redlock.lock.redlock",
+    "process_heartbeat": "celery_redlock.lock.heartbeat",
+    "RedlockTask": "celery_redlock.celery.task",
+    "RedlockTaskMixin": "celery_redlock.celery.task",
+}
 
 __all__ = [
     "ConfigError",
     "Lock",
     "LockLost",
     "LockNotAcquired",
+    "NotLocked",
     "Redlock",
     "RedlockError",
     "RedlockTask",
@@ -20,4 +49,24 @@ __all__ = [
     "RedlockWarning",
     "Vote",
     "__version__",
+    "process_heartbeat",
 ]
+
+if TYPE_CHECKING:
+    from .celery.task import RedlockTask, RedlockTaskMixin
+    from .errors import ConfigError, LockLost, LockNotAcquired, NotLocked, RedlockError, Vote
+    from .lock.heartbeat import process_heartbeat
+    from .lock.redlock import Lock, Redlock, RedlockWarning
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'celery_redlock' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

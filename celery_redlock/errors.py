@@ -64,14 +64,14 @@ class LockNotAcquired(RedlockError):
     ) -> None:
         self.resource = resource
         self.votes: tuple[Vote, ...] = tuple(
-            v if isinstance(v, Vote) else Vote(**v) for v in votes  # type: ignore[arg-type]
+            v if isinstance(v, Vote) else Vote(**v)  # type: ignore[arg-type]
+            for v in votes
         )
         self.attempts = attempts
         self.elapsed = elapsed
         self.validity = validity
         self.quorum = quorum
-        super().__init__(resource, [v.as_dict() for v in self.votes], attempts, elapsed, validity,
-                         quorum)
+        super().__init__(resource, [v.as_dict() for v in self.votes], attempts, elapsed, validity, quorum)
 
     def __str__(self) -> str:
         yes = sum(1 for v in self.votes if v.kind == "yes")
@@ -88,6 +88,11 @@ class LockNotAcquired(RedlockError):
     def held_by_other(self) -> bool:
         """True when the masters that refused did so because another token holds the key."""
         return any(v.kind == "held" for v in self.votes)
+
+
+class NotLocked(RedlockError):
+    """``self.redlock`` was read outside a locked run, e.g. in a direct call ``charge(42)``, which
+    is the plain function (as everywhere in Celery) and takes no lock."""
 
 
 class LockLost(RedlockError):

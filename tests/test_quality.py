@@ -1,4 +1,5 @@
-"""The code stays ruff- and mypy-clean: run as part of the test command."""
+"""The code stays formatted, ruff- and mypy-clean: run as part of the test command, so a change
+that breaks any of them fails the suite a developer runs, not only CI."""
 
 from __future__ import annotations
 
@@ -9,17 +10,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TREES = ["celery_redlock", "tests", "benchmarks", "examples", ".ci"]
+
+
+def _run(*args: str, timeout: float) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.timeout(300)
 def test_ruff_is_clean() -> None:
-    result = subprocess.run([sys.executable, "-m", "ruff", "check", "celery_redlock"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stdout + result.stderr
+    _run("ruff", "check", *TREES, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_ruff_format_is_applied() -> None:
+    _run("ruff", "format", "--check", *TREES, timeout=240)
 
 
 @pytest.mark.timeout(300)
 def test_mypy_is_clean() -> None:
-    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=280)
-    assert result.returncode == 0, result.stdout + result.stderr
+    _run("mypy", timeout=280)

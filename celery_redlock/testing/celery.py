@@ -28,7 +28,6 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 logger = logging.getLogger("celery_redlock.testing")
@@ -74,8 +73,8 @@ class CeleryProcess:
         self.name = name or f"{self.command}{next(_counter)}"
         self.python = python or sys.executable
         self._own_dir = log_dir is None
-        self.dir = Path(log_dir) if log_dir is not None else Path(
-            tempfile.mkdtemp(prefix=f"celery-{self.name}-")
+        self.dir = (
+            Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"celery-{self.name}-"))
         )
         self.dir.mkdir(parents=True, exist_ok=True)
         self.cwd = str(cwd) if cwd is not None else str(self.dir)
@@ -104,8 +103,18 @@ class CeleryProcess:
 
     def argv(self) -> list[str]:
         """The full command line."""
-        return [self.python, "-m", "celery", "-A", self.app_module, self.command,
-                "--loglevel", self.loglevel, *self._command_args(), *self.args]
+        return [
+            self.python,
+            "-m",
+            "celery",
+            "-A",
+            self.app_module,
+            self.command,
+            "--loglevel",
+            self.loglevel,
+            *self._command_args(),
+            *self.args,
+        ]
 
     def _command_args(self) -> list[str]:
         return []
@@ -131,8 +140,13 @@ class CeleryProcess:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
         self._log_offset = self.log_path.stat().st_size
         self._proc = subprocess.Popen(
-            self.argv(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-            env=self.environment(), cwd=self.cwd, start_new_session=True,
+            self.argv(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            cwd=self.cwd,
+            start_new_session=True,
         )
         self.paused = False
         logger.debug("started %r: %s", self, " ".join(self.argv()))
@@ -153,8 +167,9 @@ class CeleryProcess:
             )
         self.wait_for_log(self.ready_pattern, timeout, since_start=True)
 
-    def wait_for_log(self, pattern: str, timeout: float = 10.0, *, since_start: bool = False,
-                     count: int = 1) -> re.Match[str]:
+    def wait_for_log(
+        self, pattern: str, timeout: float = 10.0, *, since_start: bool = False, count: int = 1
+    ) -> re.Match[str]:
         """Wait until ``pattern`` (a regex) occurs ``count`` times in the log; return the last match.
 
         ``since_start`` looks only at output of the current run (after the last ``start()``).
@@ -165,7 +180,7 @@ class CeleryProcess:
         while True:
             text = self.log_text()
             if since_start:
-                text = text[self._log_offset:]
+                text = text[self._log_offset :]
             matches = list(regex.finditer(text))
             if len(matches) >= count:
                 return matches[count - 1]
@@ -266,10 +281,7 @@ class CeleryProcess:
     def __enter__(self) -> CeleryProcess:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
@@ -356,8 +368,9 @@ def _children(pid: int) -> list[int]:
         if found or Path(f"/proc/{pid}/task/{pid}/children").exists():
             return sorted(set(found))
     try:
-        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True,
-                             text=True, timeout=5, check=False).stdout
+        out = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True, timeout=5, check=False
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return []
     return sorted(int(p) for p in out.split())

@@ -32,8 +32,9 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from types import TracebackType
 from typing import Literal
+
+from .._validate import choice, number
 
 logger = logging.getLogger("celery_redlock.testing.proxy")
 
@@ -92,7 +93,11 @@ class Proxy:
     """A TCP proxy on a free loopback port forwarding to ``target``; a context manager."""
 
     def __init__(
-        self, target: str | tuple[str, int], *, host: str = "127.0.0.1", port: int = 0,
+        self,
+        target: str | tuple[str, int],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
         name: str = "",
     ) -> None:
         self.target = _parse_target(target)
@@ -107,9 +112,7 @@ class Proxy:
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
-        self._controls: collections.deque[tuple[Callable[[], None], threading.Event]] = (
-            collections.deque()
-        )
+        self._controls: collections.deque[tuple[Callable[[], None], threading.Event]] = collections.deque()
         self._control_mutex = threading.Lock()
         self._pipes: list[_Pipe] = []
         self._mode: Mode = "forward"
@@ -131,8 +134,9 @@ class Proxy:
         return self._mode
 
     def __repr__(self) -> str:
-        delay = f" delay up={self._delay['up']}s down={self._delay['down']}s" if any(
-            self._delay.values()) else ""
+        delay = (
+            f" delay up={self._delay['up']}s down={self._delay['down']}s" if any(self._delay.values()) else ""
+        )
         return f"<Proxy {self.address} -> {self.target[0]}:{self.target[1]} {self._mode}{delay}>"
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -158,19 +162,14 @@ class Proxy:
     def __enter__(self) -> Proxy:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- controls -------------------------------------------------------------------------------
     def delay(self, seconds: float, direction: Direction = "both") -> None:
         """Hold every byte ``seconds`` before passing it on (new bytes; queued ones keep theirs)."""
-        if seconds < 0:
-            raise ValueError(f"delay must be >= 0 seconds, got {seconds!r}")
-        if direction not in ("up", "down", "both"):
-            raise ValueError(f"direction must be 'up', 'down' or 'both', got {direction!r}")
+        seconds = number("delay", seconds, at_least=0, unit="seconds")
+        choice("direction", direction, ("up", "down", "both"))
 
         def apply() -> None:
             for side in ("up", "down") if direction == "both" else (direction,):
@@ -192,6 +191,7 @@ class Proxy:
 
     def heal(self) -> None:
         """Forward again with no delay; held bytes are delivered, corrupted streams reset."""
+
         def apply() -> None:
             self._delay = {"up": 0.0, "down": 0.0}
             self._set_mode("forward")
@@ -201,8 +201,7 @@ class Proxy:
     def pending(self) -> int:
         """Bytes accepted but not yet delivered, in both directions, over all connections."""
         result: list[int] = []
-        self._control(lambda: result.append(
-            sum(p.up.pending() + p.down.pending() for p in self._pipes)))
+        self._control(lambda: result.append(sum(p.up.pending() + p.down.pending() for p in self._pipes)))
         return result[0]
 
     def connections(self) -> int:
@@ -425,8 +424,7 @@ class Proxy:
     def _update_interest(self, pipe: _Pipe) -> None:
         """Read while a side is open; wake for writing only where bytes wait for it."""
         forwarding = self._mode == "forward"
-        for sock, side, flow in ((pipe.client, "client", pipe.down),
-                                 (pipe.upstream, "upstream", pipe.up)):
+        for sock, side, flow in ((pipe.client, "client", pipe.down), (pipe.upstream, "upstream", pipe.up)):
             if sock is None or (side == "upstream" and not pipe.connected):
                 continue  # an upstream still connecting stays registered for EVENT_WRITE
             events = selectors.EVENT_READ if pipe.reading[side] else 0
@@ -465,8 +463,9 @@ class ProxySet(Sequence[Proxy]):
 
     def __init__(self, targets: Iterable[str | tuple[str, int]], *, name: str = "") -> None:
         self.name = name
-        self.proxies = [Proxy(target, name=f"proxy-{name}{i}" if name else "")
-                        for i, target in enumerate(targets)]
+        self.proxies = [
+            Proxy(target, name=f"proxy-{name}{i}" if name else "") for i, target in enumerate(targets)
+        ]
 
     def __getitem__(self, index: int) -> Proxy:  # type: ignore[override]
         return self.proxies[index]
@@ -500,8 +499,5 @@ class ProxySet(Sequence[Proxy]):
     def __enter__(self) -> ProxySet:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

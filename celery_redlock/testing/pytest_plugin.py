@@ -1,4 +1,7 @@
-"""pytest fixtures with real lock masters, registered through the ``pytest11`` entry point.
+"""pytest fixtures with real lock masters. Opt-in, as Celery's own plugin is: in the root
+``conftest.py`` write ``pytest_plugins = ["celery_redlock.testing.pytest_plugin"]``, or run
+``pytest -p celery_redlock.testing.pytest_plugin``. Installing the package loads nothing into
+anyone's pytest.
 
 - ``redlock_masters``: five real servers on free loopback ports for the whole session, each with
   ``kill()``, ``pause()``, ``resume()``, ``restart()`` and ``flushall()``. Before every test that
@@ -6,6 +9,9 @@
 - ``redlock_master_urls``: their ``redis://`` URLs, for ``Redlock(...)`` or ``redlock_masters``
   in a Celery app's configuration.
 - ``redlock``: a ``Redlock`` over those five masters, closed after the test.
+
+Loading the plugin has no side effect: the first use of a server fixture starts the servers and
+makes SIGTERM end the session the way Ctrl-C does, so the servers are stopped, not orphaned.
 """
 
 from __future__ import annotations
@@ -17,16 +23,19 @@ from types import FrameType
 
 import pytest
 
-from ..redlock import Redlock
+from ..lock.redlock import Redlock
 from .servers import ServerSet
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def stop_on_sigterm() -> None:
     # CI runners stop a job with SIGTERM, which by default ends Python on the spot: no fixture
     # teardown, no atexit, and every server and worker the tests started is left running.
-    # Stopping the session the way Ctrl-C does runs the teardown first.
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+    # Stopping the session the way Ctrl-C does runs the teardown first. Installed only once a
+    # fixture has started servers, and only where nobody installed a handler of their own.
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, _stop_session)
 
 
@@ -36,6 +45,7 @@ def _stop_session(signum: int, frame: FrameType | None) -> None:
 
 @pytest.fixture(scope="session")
 def _redlock_server_set() -> Iterator[ServerSet]:
+    stop_on_sigterm()
     with ServerSet(5) as servers:
         yield servers
 

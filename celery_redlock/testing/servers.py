@@ -24,7 +24,6 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 
 import redis
 
@@ -72,8 +71,10 @@ def faketime_library() -> str:
     for candidate in candidates:
         if candidate and os.path.exists(candidate):
             return candidate
-    raise ServerError("clock_rate needs libfaketime (apt-get install faketime) or "
-                      f"{FAKETIME_LIBRARY_ENV} naming libfaketime.so.1")
+    raise ServerError(
+        "clock_rate needs libfaketime (apt-get install faketime) or "
+        f"{FAKETIME_LIBRARY_ENV} naming libfaketime.so.1"
+    )
 
 
 # Every server this process started, so that an interpreter exit that skipped the context
@@ -167,13 +168,20 @@ class RedisServer:
     def _command(self) -> list[str]:
         args = [
             self.binary,
-            "--port", str(self.port),
-            "--bind", self.host,
-            "--dir", str(self.dir),
-            "--daemonize", "no",
-            "--protected-mode", "no",
-            "--save", "",
-            "--logfile", str(self.dir / "server.log"),
+            "--port",
+            str(self.port),
+            "--bind",
+            self.host,
+            "--dir",
+            str(self.dir),
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "no",
+            "--save",
+            "",
+            "--logfile",
+            str(self.dir / "server.log"),
         ]
         if self.persistent:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
@@ -187,16 +195,19 @@ class RedisServer:
             return None
         # Preloaded into the server itself rather than through the `faketime` command, which
         # forks: its pid would not be the server's, and kill/pause would miss the server.
-        return {**os.environ, "LD_PRELOAD": faketime_library(),
-                "FAKETIME": f"+0 x{self.clock_rate}"}
+        return {**os.environ, "LD_PRELOAD": faketime_library(), "FAKETIME": f"+0 x{self.clock_rate}"}
 
     def start(self) -> RedisServer:
         if self.running:
             return self
         _started.add(self)
         self._proc = subprocess.Popen(
-            self._command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, env=self._environment(),
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=self._environment(),
         )
         self.paused = False
         self._wait_ready()
@@ -267,9 +278,7 @@ class RedisServer:
         self.paused = True
         if self._proc is not None:
             deadline = time.monotonic() + 2.0
-            while process_state(self._proc.pid) not in ("T", "t", "") and (
-                time.monotonic() < deadline
-            ):
+            while process_state(self._proc.pid) not in ("T", "t", "") and (time.monotonic() < deadline):
                 time.sleep(0.001)
 
     def resume(self) -> None:
@@ -312,10 +321,7 @@ class RedisServer:
     def __enter__(self) -> RedisServer:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cleanup()
 
 
@@ -363,8 +369,5 @@ class ServerSet(Sequence[RedisServer]):
     def __enter__(self) -> ServerSet:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.cleanup()

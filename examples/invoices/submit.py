@@ -27,12 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     results = group(charge_invoice.s(invoice) for invoice in calls).apply_async()
     outcomes = results.get(timeout=args.timeout)
     with db() as conn:
-        charges = dict(conn.execute(
-            "SELECT invoice_id, count(*) FROM charges GROUP BY invoice_id").fetchall())
+        charges = dict(
+            conn.execute("SELECT invoice_id, count(*) FROM charges GROUP BY invoice_id").fetchall()
+        )
     twice = {invoice: n for invoice, n in charges.items() if n != 1}
-    print(f"{len(calls)} calls: {outcomes.count('charged')} charged, "
-          f"{outcomes.count('already paid')} found the invoice already paid; "
-          f"{len(charges)} invoices charged, {len(twice)} charged more than once")
+    print(
+        f"{len(calls)} calls: {outcomes.count('charged')} charged, "
+        f"{outcomes.count('already paid')} found the invoice already paid; "
+        f"{len(charges)} invoices charged, {len(twice)} charged more than once"
+    )
     return 0 if len(charges) == args.invoices and not twice else 1
 
 

@@ -34,8 +34,11 @@ def wait_for_step(result: AsyncResult, step: int, timeout: float) -> int:
 
 def main() -> int:
     with ServerSet(5) as masters, RedisServer() as broker:
-        env = {"CELERY_BROKER_URL": broker.url, "CELERY_RESULT_BACKEND": broker.url,
-               "REDLOCK_MASTERS": ",".join(masters.urls)}
+        env = {
+            "CELERY_BROKER_URL": broker.url,
+            "CELERY_RESULT_BACKEND": broker.url,
+            "REDLOCK_MASTERS": ",".join(masters.urls),
+        }
         os.environ.update(env)
         sys.path.insert(0, str(HERE))
         import tasks
@@ -47,8 +50,10 @@ def main() -> int:
             reached = wait_for_step(doomed, 2, timeout=30)
             for server in masters[:3]:
                 server.kill()
-            print(f"killed 3 of 5 masters at step {reached} of the second job: "
-                  "no quorum is left to extend its lock")
+            print(
+                f"killed 3 of 5 masters at step {reached} of the second job: "
+                "no quorum is left to extend its lock"
+            )
             try:
                 doomed.get(timeout=30)
             except LockLost as lost:

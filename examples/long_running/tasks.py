@@ -24,8 +24,7 @@ app.conf.redlock_masters = os.environ.get("REDLOCK_MASTERS", "")
 app.conf.broker_connection_retry_on_startup = True
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="ledger:<ledger>", lock_ttl=2.0,
-          lock_contended="fail")
+@app.task(bind=True, base=RedlockTask, lock_key="ledger:<ledger>", lock_ttl=2.0, lock_contended="fail")
 def reconcile(self: Any, ledger: str, steps: int = 10, step_seconds: float = 0.5) -> str:
     for step in range(1, steps + 1):
         time.sleep(step_seconds)  # one batch of work, here a quarter of the TTL

@@ -23,8 +23,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from celery_redlock import LockLost, LockNotAcquired, Redlock
-from celery_redlock.heartbeat import process_heartbeat
+from celery_redlock import LockLost, LockNotAcquired, Redlock, process_heartbeat
 
 RESOURCE = "ledger:standalone-example"
 
@@ -49,8 +48,10 @@ def show_contention(masters: list[str]) -> None:
             with redlock.lock("report:q3"):
                 raise AssertionError("a second holder got the lock")
         except LockNotAcquired as refused:
-            print(f"second holder refused: {sum(v.kind == 'held' for v in refused.votes)} "
-                  f"masters answered 'held'")
+            print(
+                f"second holder refused: {sum(v.kind == 'held' for v in refused.votes)} "
+                f"masters answered 'held'"
+            )
 
 
 def show_heartbeat(masters: list[str]) -> None:
@@ -98,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         counter.write_text("0")
         started = time.monotonic()
         context = multiprocessing.get_context("spawn")
-        workers = [context.Process(target=add_one, args=(masters, counter, args.rounds))
-                   for _ in range(args.workers)]
+        workers = [
+            context.Process(target=add_one, args=(masters, counter, args.rounds)) for _ in range(args.workers)
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -107,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = args.workers * args.rounds
         final = int(counter.read_text())
         failed = [w.exitcode for w in workers if w.exitcode != 0]
-        print(f"{args.workers} processes x {args.rounds} locked increments: counter = {final} "
-              f"(expected {expected}) in {time.monotonic() - started:.2f}s")
+        print(
+            f"{args.workers} processes x {args.rounds} locked increments: counter = {final} "
+            f"(expected {expected}) in {time.monotonic() - started:.2f}s"
+        )
         if failed or final != expected:
             print(f"FAILED: exit codes {failed}, lost updates {expected - final}", file=sys.stderr)
             return 1

@@ -25,7 +25,7 @@ import redis
 from celery import Celery
 from celery.signals import before_task_publish, task_postrun
 
-from celery_redlock.task import RedlockTask
+from celery_redlock.celery.task import RedlockTask
 
 BROKER = os.environ.get("BEAT_TEST_BROKER", "redis://127.0.0.1:1/0")
 _base = BROKER.rsplit("/", 1)[0]
@@ -72,8 +72,9 @@ def long_job(self: Any, key: str, seconds: float) -> None:
     _push(f"{key}:runs", id=self.request.id, start=start, end=time.time())
 
 
-@app.task(bind=True, base=RedlockTask, lock_slot=1.0, lock_release="on_expiry",
-          lock_contended="skip", lock_ttl=4.0)
+@app.task(
+    bind=True, base=RedlockTask, lock_slot=1.0, lock_release="on_expiry", lock_contended="skip", lock_ttl=4.0
+)
 def slot_job(self: Any, key: str) -> None:
     """Once per one-second slot, whoever sends it and however often."""
     _push(f"{key}:runs", id=self.request.id, lock=self.redlock.name, t=time.time())
@@ -82,15 +83,13 @@ def slot_job(self: Any, key: str) -> None:
 if os.environ.get("BEAT_TEST_RECORD"):
 
     @before_task_publish.connect(weak=False)
-    def _note_sent(sender: str | None = None, body: Any = None, headers: Any = None,
-                   **_: Any) -> None:
+    def _note_sent(sender: str | None = None, body: Any = None, headers: Any = None, **_: Any) -> None:
         args = body[0] if isinstance(body, tuple) and body else []
         if args:
             _push(f"{args[0]}:sent", id=(headers or {}).get("id"), task=sender, t=time.time())
 
 
 @task_postrun.connect(weak=False)
-def _note_done(task_id: str | None = None, args: Any = None, state: str | None = None,
-               **_: Any) -> None:
+def _note_done(task_id: str | None = None, args: Any = None, state: str | None = None, **_: Any) -> None:
     if args:
         _push(f"{args[0]}:done", id=task_id, state=state)

@@ -58,8 +58,7 @@ def beat_broker() -> Iterator[RedisServer]:
 
 @pytest.fixture(scope="session")
 def beat_env(beat_broker: RedisServer, _redlock_server_set: ServerSet) -> dict[str, str]:
-    return {"BEAT_TEST_BROKER": beat_broker.url,
-            "BEAT_TEST_MASTERS": ",".join(_redlock_server_set.urls)}
+    return {"BEAT_TEST_BROKER": beat_broker.url, "BEAT_TEST_MASTERS": ",".join(_redlock_server_set.urls)}
 
 
 @pytest.fixture(scope="session")
@@ -94,8 +93,10 @@ class Records:
 
     def wait_all_done(self, timeout: float = 20.0) -> None:
         """Until the worker finished (ran or skipped) every message the beats sent."""
+
         def finished() -> bool:
             return {s["id"] for s in self.sent()} <= {d["id"] for d in self.done()}
+
         wait_until(finished, timeout, "the worker to finish every sent message")
 
 
@@ -115,18 +116,30 @@ class Beats:
         self.tmp = tmp
         self.procs: list[CeleryBeat] = []
 
-    def start(self, count: int, *, every: float = 1.0, task: str = "tests.beat.beatapp.record",
-              args: list[Any] | None = None, conf: dict[str, Any] | None = None,
-              scheduler: str | None = None, wait: bool = True) -> list[CeleryBeat]:
-        schedule = {"job": {"task": task, "every": every,
-                            "args": [self.records.key, *(args or [])]}}
-        env = dict(self.env, BEAT_TEST_RECORD="1", BEAT_TEST_SCHEDULE=json.dumps(schedule),
-                   BEAT_TEST_CONF=json.dumps(conf or {}))
+    def start(
+        self,
+        count: int,
+        *,
+        every: float = 1.0,
+        task: str = "tests.beat.beatapp.record",
+        args: list[Any] | None = None,
+        conf: dict[str, Any] | None = None,
+        scheduler: str | None = None,
+        wait: bool = True,
+    ) -> list[CeleryBeat]:
+        schedule = {"job": {"task": task, "every": every, "args": [self.records.key, *(args or [])]}}
+        env = dict(
+            self.env,
+            BEAT_TEST_RECORD="1",
+            BEAT_TEST_SCHEDULE=json.dumps(schedule),
+            BEAT_TEST_CONF=json.dumps(conf or {}),
+        )
         started = []
         for _ in range(count):
             name = f"beat{len(self.procs) + 1}"
-            proc = CeleryBeat(APP, scheduler=scheduler, env=env, pythonpath=[ROOT],
-                              log_dir=self.tmp / name, name=name)
+            proc = CeleryBeat(
+                APP, scheduler=scheduler, env=env, pythonpath=[ROOT], log_dir=self.tmp / name, name=name
+            )
             self.procs.append(proc)
             started.append(proc.start(wait=False))
         if wait:
@@ -143,8 +156,9 @@ class Beats:
 
 
 @pytest.fixture
-def beats(beat_env: dict[str, str], records: Records, tmp_path: Path,
-          redlock_masters: ServerSet) -> Iterator[Beats]:
+def beats(
+    beat_env: dict[str, str], records: Records, tmp_path: Path, redlock_masters: ServerSet
+) -> Iterator[Beats]:
     fleet = Beats(beat_env, records, tmp_path)
     try:
         yield fleet

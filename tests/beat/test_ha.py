@@ -28,9 +28,11 @@ SCHEDULER = "celery_redlock.beat:RedlockScheduler"
 
 
 # `celery redlock leader`, registered by hand until the celery.commands entry point is installed.
-CLI = ("import sys; from celery.bin.celery import celery, main; "
-       "from celery_redlock.command import redlock; "
-       "'redlock' in celery.commands or celery.add_command(redlock); sys.exit(main())")
+CLI = (
+    "import sys; from celery.bin.celery import celery, main; "
+    "from celery_redlock.celery.command import redlock; "
+    "'redlock' in celery.commands or celery.add_command(redlock); sys.exit(main())"
+)
 
 
 def leader_pid(redlock: Redlock, beats: Beats, timeout: float = 10.0) -> int:
@@ -44,18 +46,25 @@ def new_leader(redlock: Redlock, old: int, timeout: float) -> tuple[int, float]:
     def other() -> int | None:
         record = current_leader(redlock)
         return int(record["pid"]) if record and int(record["pid"]) != old else None
+
     pid = wait_until(other, timeout, "another beat to take the leader lock")
     return pid, time.time()
 
 
 def wait_sends(records: Records, pid: int, count: int, timeout: float, after: float = 0.0) -> None:
-    wait_until(lambda: len([s for s in records.sent_by(pid) if s["t"] > after]) >= count, timeout,
-               f"{count} sends from beat pid {pid}")
+    wait_until(
+        lambda: len([s for s in records.sent_by(pid) if s["t"] > after]) >= count,
+        timeout,
+        f"{count} sends from beat pid {pid}",
+    )
 
 
 @pytest.mark.timeout(90)
 def test_three_beats_send_each_slot_exactly_once(
-    beats: Beats, records: Records, redlock: Redlock, beat_worker: object,
+    beats: Beats,
+    records: Records,
+    redlock: Redlock,
+    beat_worker: object,
     beat_env: dict[str, str],
 ) -> None:
     # Two choose the scheduler on the command line, one through the beat_scheduler setting.
@@ -63,29 +72,31 @@ def test_three_beats_send_each_slot_exactly_once(
     beats.start(1, conf={**CONF, "beat_scheduler": SCHEDULER})
     first = slot_of(time.time()) + 2
     last = first + 29
-    wait_until(lambda: any(slot_of(s["t"]) > last for s in records.sent()), 45,
-               f"slot {last + 1} to be sent")
+    wait_until(lambda: any(slot_of(s["t"]) > last for s in records.sent()), 45, f"slot {last + 1} to be sent")
 
     window = [s for s in records.sent() if first <= slot_of(s["t"]) <= last]
     doubled, missed = count_slots(window, first, last)
-    print(f"\n[beat] 3 beats, 30 slots: {len(window)} sent, doubled {len(doubled)}, "
-          f"missed {len(missed)}")
+    print(f"\n[beat] 3 beats, 30 slots: {len(window)} sent, doubled {len(doubled)}, missed {len(missed)}")
     assert doubled == [] and missed == []
     senders = {s["pid"] for s in window}
     assert len(senders) == 1, f"more than one beat dispatched: {senders}"
     assert leader_pid(redlock, beats) in senders
     # Anyone can ask who leads.
     shown = subprocess.run(
-        [sys.executable, "-c", CLI, "-A", APP, "redlock", "leader"], capture_output=True,
-        text=True, timeout=30, check=False,
+        [sys.executable, "-c", CLI, "-A", APP, "redlock", "leader"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
         env={**os.environ, **beat_env, "PYTHONPATH": str(ROOT)},
     )
     assert shown.returncode == 0, shown.stderr
     assert f"pid {senders.pop()}," in shown.stdout
     # The real worker ran every one of them.
     records.wait_all_done()
-    assert sorted(r["id"] for r in records.runs() if r["id"] in {s["id"] for s in window}) == \
-        sorted(s["id"] for s in window)
+    assert sorted(r["id"] for r in records.runs() if r["id"] in {s["id"] for s in window}) == sorted(
+        s["id"] for s in window
+    )
 
 
 @pytest.mark.timeout(60)
@@ -104,12 +115,13 @@ def test_sigkill_leader_standby_takes_over_within_ttl_plus_one_tick(
     sent = records.sent()
     first_new = min(s["t"] for s in sent if s["pid"] == new)
     last_old = max(slot_of(s["t"]) for s in sent if s["pid"] == old)
-    doubled, _ = count_slots(sent, min(slot_of(s["t"]) for s in sent),
-                             max(slot_of(s["t"]) for s in sent))
+    doubled, _ = count_slots(sent, min(slot_of(s["t"]) for s in sent), max(slot_of(s["t"]) for s in sent))
     missed = slot_of(first_new) - last_old - 1
-    print(f"\n[beat] SIGKILL failover: elected {elected_at - killed_at:.2f} s, first send "
-          f"{first_new - killed_at:.2f} s after the kill (bound {TTL + STANDBY:.1f} s + one "
-          f"{PERIOD:.0f} s slot); missed {missed} slots, doubled {len(doubled)}")
+    print(
+        f"\n[beat] SIGKILL failover: elected {elected_at - killed_at:.2f} s, first send "
+        f"{first_new - killed_at:.2f} s after the kill (bound {TTL + STANDBY:.1f} s + one "
+        f"{PERIOD:.0f} s slot); missed {missed} slots, doubled {len(doubled)}"
+    )
     assert doubled == []
     assert elected_at - killed_at <= TTL + STANDBY + SLACK
     assert first_new - killed_at <= TTL + STANDBY + PERIOD + SLACK
@@ -139,11 +151,12 @@ def test_sigstopped_leader_never_sends_after_its_validity(
 
     sent = records.sent()
     late = [s for s in sent if s["pid"] == old and s["t"] > paused_at]
-    doubled, _ = count_slots(sent, min(slot_of(s["t"]) for s in sent),
-                             max(slot_of(s["t"]) for s in sent))
-    print(f"\n[beat] SIGSTOP {resumed_at - paused_at:.1f} s (TTL {TTL:.0f} s): standby elected "
-          f"{elected_at - paused_at:.2f} s after the pause; old leader sent {len(late)} after it, "
-          f"doubled {len(doubled)}")
+    doubled, _ = count_slots(sent, min(slot_of(s["t"]) for s in sent), max(slot_of(s["t"]) for s in sent))
+    print(
+        f"\n[beat] SIGSTOP {resumed_at - paused_at:.1f} s (TTL {TTL:.0f} s): standby elected "
+        f"{elected_at - paused_at:.2f} s after the pause; old leader sent {len(late)} after it, "
+        f"doubled {len(doubled)}"
+    )
     assert late == []
     assert doubled == []
     assert current_leader(redlock)["pid"] == new  # type: ignore[index]

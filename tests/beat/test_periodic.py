@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
-from itertools import pairwise
 
 import pytest
+
+from celery_redlock.testing import Hold, find_overlaps
 
 from .conftest import Beats, Records, wait_until
 
@@ -20,20 +21,20 @@ JOB_SECONDS = 3.0
 
 
 @pytest.mark.timeout(60)
-def test_job_taking_three_periods_never_overlaps(
-    beats: Beats, records: Records, beat_worker: object
-) -> None:
+def test_job_taking_three_periods_never_overlaps(beats: Beats, records: Records, beat_worker: object) -> None:
     beats.start(1, task="tests.beat.beatapp.long_job", args=[JOB_SECONDS])
     wait_until(lambda: len(records.runs()) >= 3, 30, "three runs of the 3-second job")
     for beat in beats.procs:
         beat.stop()
     records.wait_all_done()
 
-    runs = sorted(records.runs(), key=lambda r: r["start"])
-    overlaps = [(a["id"], b["id"]) for a, b in pairwise(runs) if b["start"] < a["end"]]
+    runs = records.runs()
+    overlaps = find_overlaps(Hold("long_job", r["start"], r["end"], owner=r["id"]) for r in runs)
     sent = len(records.sent())
-    print(f"\n[beat] 3-period job: {sent} sent, {len(runs)} ran, {sent - len(runs)} skipped, "
-          f"{len(overlaps)} overlaps")
+    print(
+        f"\n[beat] 3-period job: {sent} sent, {len(runs)} ran, {sent - len(runs)} skipped, "
+        f"{len(overlaps)} overlaps"
+    )
     assert overlaps == []
     # The beat did send while a run was in progress: the lock is what kept them apart.
     assert sent > len(runs)
@@ -54,11 +55,12 @@ def test_two_plain_beats_by_mistake_one_run_per_slot(
     runs = records.runs()
     per_slot = Counter(r["lock"] for r in runs)
     sent = records.sent()
-    print(f"\n[beat] once per slot, 2 plain beats: {len(sent)} sent, {len(per_slot)} slots, "
-          f"{len(runs)} runs, doubled {sum(1 for c in per_slot.values() if c > 1)}")
+    print(
+        f"\n[beat] once per slot, 2 plain beats: {len(sent)} sent, {len(per_slot)} slots, "
+        f"{len(runs)} runs, doubled {sum(1 for c in per_slot.values() if c > 1)}"
+    )
     assert [lock for lock, count in per_slot.items() if count > 1] == []
-    seconds = sorted(int(dt.datetime.fromisoformat(lock.rsplit("@", 1)[1]).timestamp())
-                     for lock in per_slot)
+    seconds = sorted(int(dt.datetime.fromisoformat(lock.rsplit("@", 1)[1]).timestamp()) for lock in per_slot)
     assert seconds == list(range(seconds[0], seconds[-1] + 1)), "a slot ran nowhere"
     assert {s["pid"] for s in sent} == {b.pid for b in beats.procs}, "both beats sent"
     assert len(sent) > len(runs), "the duplicates were sent and then suppressed"

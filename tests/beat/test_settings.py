@@ -45,18 +45,20 @@ def make_app(masters: list[str], **conf: Any) -> Celery:
 
 @pytest.mark.parametrize(("conf", "setting"), BAD, ids=[f"{s}={c[s]!r}" for c, s in BAD])
 def test_bad_setting_is_named(conf: dict[str, Any], setting: str, tmp_path: Path) -> None:
-    app = make_app(["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"],
-                   **conf)
+    app = make_app(["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"], **conf)
     with pytest.raises(ConfigError, match=setting):
         RedlockScheduler(app, schedule_filename=str(tmp_path / "s"), lazy=True)
 
 
 @pytest.mark.timeout(60)
-def test_celery_beat_exits_at_start_naming_the_setting(beat_env: dict[str, str],
-                                                       tmp_path: Path) -> None:
-    beat = CeleryBeat(APP, scheduler="celery_redlock.beat:RedlockScheduler", pythonpath=[ROOT],
-                      env={**beat_env, "BEAT_TEST_CONF": '{"redlock_beat_lock_ttl": -1}'},
-                      log_dir=tmp_path)
+def test_celery_beat_exits_at_start_naming_the_setting(beat_env: dict[str, str], tmp_path: Path) -> None:
+    beat = CeleryBeat(
+        APP,
+        scheduler="celery_redlock.beat:RedlockScheduler",
+        pythonpath=[ROOT],
+        env={**beat_env, "BEAT_TEST_CONF": '{"redlock_beat_lock_ttl": -1}'},
+        log_dir=tmp_path,
+    )
     beat.start(wait=False)
     try:
         code = wait_until(lambda: beat.returncode is not None, 30, "celery beat to exit")

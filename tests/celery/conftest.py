@@ -4,7 +4,6 @@ a queue of its own so a test picks the pool by the queue it sends to."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import uuid
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -34,36 +33,49 @@ def lockapp(broker: RedisServer, _redlock_server_set: ServerSet) -> Any:
     os.environ.update(env)
     import lockapp as module
 
-    module.app.conf.update(broker_url=broker.url, result_backend=broker.url,
-                           redlock_masters=_redlock_server_set.urls)
+    module.app.conf.update(
+        broker_url=broker.url, result_backend=broker.url, redlock_masters=_redlock_server_set.urls
+    )
     module.BACKEND = broker.url
     return module
 
 
 def app_env(broker_url: str, backend_url: str, masters: list[str], queue: str = "lockapp") -> dict[str, str]:
-    return {"LOCKAPP_BROKER": broker_url, "LOCKAPP_BACKEND": backend_url,
-            "LOCKAPP_MASTERS": ",".join(masters), "LOCKAPP_QUEUE": queue}
+    return {
+        "LOCKAPP_BROKER": broker_url,
+        "LOCKAPP_BACKEND": backend_url,
+        "LOCKAPP_MASTERS": ",".join(masters),
+        "LOCKAPP_QUEUE": queue,
+    }
 
 
 def start_worker(env: dict[str, str], *, pool: str, concurrency: int, queue: str) -> CeleryWorker:
-    return CeleryWorker("lockapp", pool=pool, concurrency=concurrency, queues=[queue],
-                        env=env, pythonpath=[str(HERE), str(ROOT)]).start()
+    return CeleryWorker(
+        "lockapp",
+        pool=pool,
+        concurrency=concurrency,
+        queues=[queue],
+        env=env,
+        pythonpath=[str(HERE), str(ROOT)],
+    ).start()
 
 
 POOLS = {"prefork": (2, 2), "threads": (1, 4)}  # pool -> (workers, concurrency each)
 
 
 @pytest.fixture(scope="session")
-def worker_pools(lockapp: Any, broker: RedisServer, _redlock_server_set: ServerSet
-                 ) -> Iterator[dict[str, tuple[str, list[CeleryWorker]]]]:
+def worker_pools(
+    lockapp: Any, broker: RedisServer, _redlock_server_set: ServerSet
+) -> Iterator[dict[str, tuple[str, list[CeleryWorker]]]]:
     """pool name -> (its queue, its running workers); started once per session."""
     started: dict[str, tuple[str, list[CeleryWorker]]] = {}
     try:
         for pool, (count, concurrency) in POOLS.items():
             queue = f"q-{pool}-{RUN}"
             env = app_env(broker.url, broker.url, _redlock_server_set.urls, queue)
-            workers = [start_worker(env, pool=pool, concurrency=concurrency, queue=queue)
-                       for _ in range(count)]
+            workers = [
+                start_worker(env, pool=pool, concurrency=concurrency, queue=queue) for _ in range(count)
+            ]
             started[pool] = (queue, workers)
         yield started
     finally:
@@ -73,8 +85,11 @@ def worker_pools(lockapp: Any, broker: RedisServer, _redlock_server_set: ServerS
 
 
 @pytest.fixture(params=sorted(POOLS))
-def pool(request: pytest.FixtureRequest, worker_pools: dict[str, tuple[str, list[CeleryWorker]]],
-         redlock_masters: ServerSet) -> tuple[str, str, list[CeleryWorker]]:
+def pool(
+    request: pytest.FixtureRequest,
+    worker_pools: dict[str, tuple[str, list[CeleryWorker]]],
+    redlock_masters: ServerSet,
+) -> tuple[str, str, list[CeleryWorker]]:
     """(pool name, queue, workers), with the masters reset for the test."""
     queue, workers = worker_pools[request.param]
     for worker in workers:
@@ -92,15 +107,6 @@ def records(lockapp: Any, name: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in lockapp.store().lrange(name, 0, -1)]
 
 
-def overlaps(intervals: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Pairs of intervals of one key that overlap in time."""
-    found = []
-    by_key: dict[str, list[dict[str, Any]]] = {}
-    for item in intervals:
-        by_key.setdefault(item["key"], []).append(item)
-    for items in by_key.values():
-        items.sort(key=lambda i: i["start"])
-        for before, after in itertools.pairwise(items):
-            if after["start"] < before["end"]:
-                found.append((before, after))
-    return found
+def holds(intervals: list[dict[str, Any]]) -> list[Hold]:
+    """Recorded intervals as windows for the overlap check; each carries its record back."""
+    return [Hold(i["key"], i["start"], i["end"], owner=i["task_id"], info=i) for i in intervals]

@@ -20,7 +20,7 @@ from celery import Celery, Task
 from celery.exceptions import Ignore, Reject
 
 from celery_redlock import LockLost, RedlockTask, RedlockTaskMixin
-from celery_redlock import signals as lock_signals
+from celery_redlock.celery import signals as lock_signals
 
 BROKER = os.environ.get("LOCKAPP_BROKER", "redis://127.0.0.1:1/0")
 BACKEND = os.environ.get("LOCKAPP_BACKEND", "redis://127.0.0.1:1/0")
@@ -68,13 +68,22 @@ def hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
     time.sleep(seconds)
     assert self.redlock is not None
     owned = self.redlock.owned()
-    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now(),
-           owned=owned, retries=self.request.retries)
+    record(
+        record_to,
+        event="interval",
+        key=key,
+        task_id=self.request.id,
+        start=start,
+        end=now(),
+        owned=owned,
+        retries=self.request.retries,
+    )
     return key
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_contended="skip",
-          name="lockapp.hold_or_skip")
+@app.task(
+    bind=True, base=RedlockTask, lock_key="res:<key>", lock_contended="skip", name="lockapp.hold_or_skip"
+)
 def hold_or_skip(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
     start = now()
     time.sleep(seconds)
@@ -105,16 +114,28 @@ def long_hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> di
         validity = self.redlock.validity
         lowest = validity if lowest is None else min(lowest, validity)
         time.sleep(0.05)
-    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now(),
-           lowest_validity=lowest)
+    record(
+        record_to,
+        event="interval",
+        key=key,
+        task_id=self.request.id,
+        start=start,
+        end=now(),
+        lowest_validity=lowest,
+    )
     return {"lowest_validity": lowest}
 
 
 @app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=1.0, name="lockapp.until_lost")
 def until_lost(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
     """Poll ``self.redlock`` until the lock is lost (or ``seconds`` pass); record what was seen."""
-    record(record_to, event="start", key=key, task_id=self.request.id, token=self.redlock.token
-           if self.redlock else None)
+    record(
+        record_to,
+        event="start",
+        key=key,
+        task_id=self.request.id,
+        token=self.redlock.token if self.redlock else None,
+    )
     deadline = now() + seconds
     lock = self.redlock
     assert lock is not None
@@ -125,20 +146,32 @@ def until_lost(self: RedlockTask, key: str, seconds: float, record_to: str) -> s
         seen = ""
     except LockLost as exc:
         seen = str(exc)
-    record(record_to, event="seen", key=key, task_id=self.request.id, lost=seen,
-           reason=lock.lost_reason)
+    record(record_to, event="seen", key=key, task_id=self.request.id, lost=seen, reason=lock.lost_reason)
     return seen
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_max_retries=5,
-          lock_retry_backoff=0.05, lock_retry_backoff_max=0.2, name="lockapp.bounded")
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_max_retries=5,
+    lock_retry_backoff=0.05,
+    lock_retry_backoff_max=0.2,
+    name="lockapp.bounded",
+)
 def bounded(self: RedlockTask, key: str, record_to: str) -> str:
     record(record_to, event="ran", key=key, task_id=self.request.id)
     return key
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_contended="fail", max_retries=1,
-          name="lockapp.own_retry")
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_contended="fail",
+    max_retries=1,
+    name="lockapp.own_retry",
+)
 def own_retry(self: RedlockTask, key: str, record_to: str) -> int:
     """Uses the task's own retry budget once; the lock must be free again for the retried run."""
     record(record_to, event="run", key=key, task_id=self.request.id, retries=self.request.retries)
@@ -147,8 +180,7 @@ def own_retry(self: RedlockTask, key: str, record_to: str) -> int:
     return int(self.request.retries)
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", max_retries=1,
-          name="lockapp.waits_then_retries")
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", max_retries=1, name="lockapp.waits_then_retries")
 def waits_then_retries(self: RedlockTask, key: str, record_to: str) -> int:
     """Waits for the lock by lock retries, then spends its own single retry; records the lock
     attempt count each run carries, which must start afresh for the task's own retry."""
@@ -167,8 +199,9 @@ class Audited(Task):  # type: ignore[misc]
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         record(args[1], event="base-before", task_id=task_id)
 
-    def after_return(self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any,
-                     einfo: Any) -> None:
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
         record(args[1], event="base-after", task_id=task_id, status=status)
 
 
@@ -183,8 +216,16 @@ def mixed(self: AuditedLocked, key: str, record_to: str) -> str:
     return key
 
 
-@app.task(bind=True, base=RedlockTask, lock_key="slot:<key>", lock_slot=60.0,
-          lock_release="on_expiry", lock_contended="skip", lock_ttl=20.0, name="lockapp.per_slot")
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="slot:<key>",
+    lock_slot=60.0,
+    lock_release="on_expiry",
+    lock_contended="skip",
+    lock_ttl=20.0,
+    name="lockapp.per_slot",
+)
 def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
     """Once per 60 s slot: the lock outlives the run, so a late duplicate of the slot is skipped."""
     assert self.redlock is not None
@@ -193,12 +234,12 @@ def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
 
 
 @lock_signals.lock_contended.connect
-def _on_contended(sender: Any = None, key: str = "", policy: str = "", attempt: int = 0,
-                  countdown: float = 0.0, **_: Any) -> None:
+def _on_contended(
+    sender: Any = None, key: str = "", policy: str = "", attempt: int = 0, countdown: float = 0.0, **_: Any
+) -> None:
     record("signals:contended", key=key, policy=policy, attempt=attempt, countdown=countdown)
 
 
 @lock_signals.lock_lost.connect
-def _on_lost(sender: Any = None, key: str = "", task_id: str = "", reason: str = "",
-             **_: Any) -> None:
+def _on_lost(sender: Any = None, key: str = "", task_id: str = "", reason: str = "", **_: Any) -> None:
     record("signals:lost", key=key, task_id=task_id, reason=reason)

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import time
 from typing import Any
 
 import pytest
-from conftest import overlaps, records
+from conftest import holds, records
 
 from celery_redlock import Redlock
-from celery_redlock.testing import CeleryWorker, ServerSet
+from celery_redlock.testing import CeleryWorker, Hold, ServerSet, find_overlaps
 
 Pool = tuple[str, str, list[CeleryWorker]]
 
@@ -38,11 +37,12 @@ def test_duplicates_never_overlap_and_all_run(lockapp: Any, pool: Pool, tag: str
         result.get(timeout=45)
     intervals = [r for r in records(lockapp, tag) if r["event"] == "interval"]
     assert sorted(r["key"] for r in intervals) == sorted([dup] * 6 + distinct)
-    assert overlaps(intervals) == []
+    assert find_overlaps(holds(intervals)) == []
     assert all(r["owned"] for r in intervals)
-    # Distinct keys do not wait for each other: at least two of them ran at the same time.
-    spans = sorted((r["start"], r["end"]) for r in intervals if r["key"] in distinct)
-    assert any(b[0] < a[1] for a, b in itertools.pairwise(spans)), spans
+    # Distinct keys do not wait for each other: at least two of them ran at the same time, so
+    # taken as holds of one resource their windows overlap.
+    together = [Hold("distinct keys", r["start"], r["end"]) for r in intervals if r["key"] in distinct]
+    assert find_overlaps(together), together
     # The duplicates waited by lock retries, never by the task's own retries.
     assert all(r["retries"] == 0 for r in intervals)
 
@@ -51,15 +51,21 @@ def test_duplicates_never_overlap_and_all_run(lockapp: Any, pool: Pool, tag: str
 def test_skipped_duplicates_are_recorded(lockapp: Any, pool: Pool, tag: str) -> None:
     _, queue, _ = pool
     results = [lockapp.hold_or_skip.apply_async((tag, 1.0, tag), queue=queue) for _ in range(4)]
-    ran = wait_for(lambda: [r for r in results if r.state in ("SUCCESS", "IGNORED")]
-                   if all(r.state in ("SUCCESS", "IGNORED") for r in results) else None,
-                   30, "every duplicate to run or be skipped")
+    ran = wait_for(
+        lambda: (
+            [r for r in results if r.state in ("SUCCESS", "IGNORED")]
+            if all(r.state in ("SUCCESS", "IGNORED") for r in results)
+            else None
+        ),
+        30,
+        "every duplicate to run or be skipped",
+    )
     states = [r.state for r in ran]
     skipped = [r for r in ran if r.state == "IGNORED"]
     assert states.count("SUCCESS") >= 1 and skipped, states
     intervals = records(lockapp, tag)
     assert len(intervals) == states.count("SUCCESS")
-    assert overlaps(intervals) == []
+    assert find_overlaps(holds(intervals)) == []
     for result in skipped:
         assert result.info["skipped"] == "lock contended"
         assert result.info["key"] == f"res:{tag}"
@@ -68,8 +74,7 @@ def test_skipped_duplicates_are_recorded(lockapp: Any, pool: Pool, tag: str) -> 
 
 
 @pytest.mark.timeout(60)
-def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str,
-                                  redlock_master_urls: list[str]) -> None:
+def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str]) -> None:
     _, queue, _ = pool
     result = lockapp.long_hold.apply_async((tag, 3.0, tag), queue=queue)  # 5x its 0.6 s TTL
     wait_for(lambda: records(lockapp, tag), 20, "the long task to start")
@@ -86,8 +91,9 @@ def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str,
 
 
 @pytest.mark.timeout(60)
-def test_lock_lost_is_seen_by_the_body_and_the_signal(lockapp: Any, pool: Pool, tag: str,
-                                                     redlock_masters: ServerSet) -> None:
+def test_lock_lost_is_seen_by_the_body_and_the_signal(
+    lockapp: Any, pool: Pool, tag: str, redlock_masters: ServerSet
+) -> None:
     _, queue, _ = pool
     result = lockapp.until_lost.apply_async((tag, 10.0, tag), queue=queue)
     wait_for(lambda: records(lockapp, tag), 20, "the task to start")
@@ -97,14 +103,20 @@ def test_lock_lost_is_seen_by_the_body_and_the_signal(lockapp: Any, pool: Pool, 
     assert "lost" in seen
     body = [r for r in records(lockapp, tag) if r["event"] == "seen"]
     assert body and "no longer hold this token" in body[0]["reason"]
-    lost = wait_for(lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
-                    5, "the lock_lost signal")
+    lost = wait_for(
+        lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
+        5,
+        "the lock_lost signal",
+    )
     assert lost[0]["task_id"] == result.id
 
 
 @pytest.mark.timeout(60)
 def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
-    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+    lockapp: Any,
+    pool: Pool,
+    tag: str,
+    redlock_master_urls: list[str],
 ) -> None:
     """SIGSTOP the process running the body (TTL 1 s) for longer than the TTL: another client
     takes the lock meanwhile, and the resumed body sees the loss before doing anything more."""
@@ -126,7 +138,9 @@ def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
         assert "validity ran out" in body[0]["lost"], body[0]
         lost = wait_for(
             lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
-            5, "the lock_lost signal")
+            5,
+            "the lock_lost signal",
+        )
         assert lost[0]["task_id"] == result.id
         # The resumed holder neither extended nor released the contender's lock.
         assert lock.extend() and lock.owned()
@@ -134,8 +148,9 @@ def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
 
 
 @pytest.mark.timeout(60)
-def test_lock_retries_are_spread_bounded_and_then_fail(lockapp: Any, pool: Pool, tag: str,
-                                                       redlock_master_urls: list[str]) -> None:
+def test_lock_retries_are_spread_bounded_and_then_fail(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str]
+) -> None:
     from celery_redlock import LockNotAcquired
 
     _, queue, _ = pool
@@ -159,16 +174,20 @@ def test_lock_retries_are_spread_bounded_and_then_fail(lockapp: Any, pool: Pool,
 
 
 @pytest.mark.timeout(60)
-def test_lock_retries_leave_the_tasks_own_retry_budget(lockapp: Any, pool: Pool, tag: str,
-                                                       redlock_master_urls: list[str]) -> None:
+def test_lock_retries_leave_the_tasks_own_retry_budget(
+    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str]
+) -> None:
     _, queue, _ = pool
     with Redlock(redlock_master_urls) as holder:
         lock = holder.lock(f"res:{tag}", ttl=30)
         assert lock.acquire(blocking=False)
         # own_retry fails at once on contention; hold() retries: use hold() to burn lock retries.
         result = lockapp.hold.apply_async((tag, 0.0, tag), queue=queue)
-        wait_for(lambda: len([r for r in records(lockapp, "signals:contended")
-                              if r["key"] == f"res:{tag}"]) >= 3, 20, "three lock retries")
+        wait_for(
+            lambda: len([r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]) >= 3,
+            20,
+            "three lock retries",
+        )
         lock.release()
     result.get(timeout=20)
     ran = [r for r in records(lockapp, tag) if r["event"] == "interval"]
@@ -181,15 +200,21 @@ def test_lock_retries_leave_the_tasks_own_retry_budget(lockapp: Any, pool: Pool,
 
 @pytest.mark.timeout(60)
 def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
-    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+    lockapp: Any,
+    pool: Pool,
+    tag: str,
+    redlock_master_urls: list[str],
 ) -> None:
     _, queue, _ = pool
     with Redlock(redlock_master_urls) as holder:
         lock = holder.lock(f"res:{tag}", ttl=30)
         assert lock.acquire(blocking=False)
         result = lockapp.waits_then_retries.apply_async((tag, tag), queue=queue)
-        wait_for(lambda: len([r for r in records(lockapp, "signals:contended")
-                              if r["key"] == f"res:{tag}"]) >= 2, 20, "two lock retries")
+        wait_for(
+            lambda: len([r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]) >= 2,
+            20,
+            "two lock retries",
+        )
         lock.release()
     assert result.get(timeout=20) == 1
     runs = records(lockapp, tag)
@@ -200,13 +225,19 @@ def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
 
 @pytest.mark.timeout(60)
 def test_the_mixin_composes_with_a_base_class_of_its_own(
-    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str],
+    lockapp: Any,
+    pool: Pool,
+    tag: str,
+    redlock_master_urls: list[str],
 ) -> None:
     _, queue, _ = pool
     assert lockapp.mixed.apply_async((tag, tag), queue=queue).get(timeout=20) == tag
     # The result is stored before after_return runs: wait for the base class's hook.
-    events = wait_for(lambda: [e for e in records(lockapp, tag) if e["event"] == "base-after"]
-                      and records(lockapp, tag), 10, "the base class's after_return")
+    events = wait_for(
+        lambda: [e for e in records(lockapp, tag) if e["event"] == "base-after"] and records(lockapp, tag),
+        10,
+        "the base class's after_return",
+    )
     assert [e["event"] for e in events] == ["base-before", "body", "base-after"]
     assert events[1]["owned"] and events[2]["status"] == "SUCCESS"
     with Redlock(redlock_master_urls) as check:
@@ -217,7 +248,10 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
 
 @pytest.mark.timeout(90)
 def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
-    lockapp: Any, broker: Any, redlock_masters: ServerSet, redlock_master_urls: list[str],
+    lockapp: Any,
+    broker: Any,
+    redlock_masters: ServerSet,
+    redlock_master_urls: list[str],
     tag: str,
 ) -> None:
     """One solo worker runs 20 same-key tasks back to back with lock_contended="skip": each
@@ -227,15 +261,21 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
     from conftest import app_env, start_worker
 
     queue = f"q-solo-{tag}"
-    worker = start_worker(app_env(broker.url, broker.url, redlock_master_urls, queue),
-                          pool="solo", concurrency=1, queue=queue)
+    worker = start_worker(
+        app_env(broker.url, broker.url, redlock_master_urls, queue), pool="solo", concurrency=1, queue=queue
+    )
     try:
-        results = [lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue)
-                   for _ in range(20)]
+        results = [lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue) for _ in range(20)]
         # A skipped run ends IGNORED, which get() would wait on forever: poll the states.
-        states = wait_for(lambda: [r.state for r in results]
-                          if all(r.state in ("SUCCESS", "IGNORED") for r in results) else None,
-                          30, "all 20 runs to end")
+        states = wait_for(
+            lambda: (
+                [r.state for r in results]
+                if all(r.state in ("SUCCESS", "IGNORED") for r in results)
+                else None
+            ),
+            30,
+            "all 20 runs to end",
+        )
         assert states == ["SUCCESS"] * 20, states
         assert len(records(lockapp, tag)) == 20
         with Redlock(redlock_master_urls) as check:
@@ -247,7 +287,11 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how", ["ignore", "reject"])
 def test_a_run_ended_by_ignore_or_reject_releases_its_lock(
-    lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str], how: str,
+    lockapp: Any,
+    pool: Pool,
+    tag: str,
+    redlock_master_urls: list[str],
+    how: str,
 ) -> None:
     """Ignore and Reject from the body skip after_return; the task_postrun hook releases the
     lock instead, long before its 5 s TTL would."""

@@ -13,21 +13,27 @@ from conftest import HERE, ROOT, app_env, records
 from test_celery_core import Pool, wait_for
 
 from celery_redlock import ConfigError, LockNotAcquired, Redlock, RedlockTask
-from celery_redlock.slots import PUBLISHED_HEADER
+from celery_redlock.celery.slots import PUBLISHED_HEADER
+from celery_redlock.lock.masters import BACKOFF_CAP
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("pool_name", ["prefork", "threads"])
 def test_sigkill_of_the_holding_process_frees_the_lock_within_ttl(
-    lockapp: Any, broker: RedisServer, redlock_masters: ServerSet, tag: str, pool_name: str,
+    lockapp: Any,
+    broker: RedisServer,
+    redlock_masters: ServerSet,
+    tag: str,
+    pool_name: str,
 ) -> None:
     """The process running the body (a prefork child, or the threads-pool worker itself) dies
     with its heartbeat: its lock expires within the TTL and the next contender proceeds."""
     queue = f"q-kill-{tag}"
     env = app_env(broker.url, broker.url, redlock_masters.urls, queue)
-    with CeleryWorker("lockapp", pool=pool_name, concurrency=2, queues=[queue], env=env,
-                      pythonpath=[str(HERE), str(ROOT)]) as worker:
+    with CeleryWorker(
+        "lockapp", pool=pool_name, concurrency=2, queues=[queue], env=env, pythonpath=[str(HERE), str(ROOT)]
+    ) as worker:
         lockapp.long_hold.apply_async((tag, 60.0, tag), queue=queue)  # TTL 0.6 s
         started = wait_for(lambda: records(lockapp, tag), 20, "the task to start")[0]
         if pool_name == "prefork":
@@ -46,7 +52,10 @@ def test_sigkill_of_the_holding_process_frees_the_lock_within_ttl(
 
 @pytest.mark.timeout(60)
 def test_one_master_down_costs_nothing_but_majority_down_fails_clearly(
-    lockapp: Any, pool: Pool, redlock_masters: ServerSet, tag: str,
+    lockapp: Any,
+    pool: Pool,
+    redlock_masters: ServerSet,
+    tag: str,
 ) -> None:
     _, queue, _ = pool
     redlock_masters[0].pause()
@@ -61,9 +70,12 @@ def test_one_master_down_costs_nothing_but_majority_down_fails_clearly(
     assert "after 6 attempt(s): 2 of 5 masters granted it, quorum is 3" in message
     ran = [r["key"] for r in records(lockapp, tag) if r["event"] == "interval"]
     assert ran == [f"{tag}-one"]
-    # A restarted master refuses nothing, and refusals carry no cool-down: the next task's
-    # lock reconnects at once.
+    # The workers reconnect to restarted masters in the background, within the reconnect
+    # backoff's cap; meanwhile their rounds vote error for them at once. That state is inside
+    # the worker processes, where this test cannot poll it: the next test gets five masters
+    # only once the documented bound has passed.
     redlock_masters.ensure_running()
+    time.sleep(BACKOFF_CAP + 0.2)
 
 
 def test_missing_masters_fail_naming_the_setting(lockapp: Any) -> None:
@@ -83,29 +95,32 @@ def test_missing_masters_fail_naming_the_setting(lockapp: Any) -> None:
 def test_one_run_per_slot_even_after_the_first_returned(lockapp: Any, pool: Pool, tag: str) -> None:
     _, queue, _ = pool
     published = 1_700_000_040.0  # on a 60 s boundary
-    first = lockapp.per_slot.apply_async((tag, tag), queue=queue,
-                                         headers={PUBLISHED_HEADER: published + 2})
+    first = lockapp.per_slot.apply_async((tag, tag), queue=queue, headers={PUBLISHED_HEADER: published + 2})
     assert first.get(timeout=20).endswith("@2023-11-14T22:14:00+00:00")
     # A second beat's copy of the same tick, after the first run ended: the lock is still there.
-    late = lockapp.per_slot.apply_async((tag, tag), queue=queue,
-                                        headers={PUBLISHED_HEADER: published - 5})
+    late = lockapp.per_slot.apply_async((tag, tag), queue=queue, headers={PUBLISHED_HEADER: published - 5})
     wait_for(lambda: late.state == "IGNORED", 20, "the late copy to be skipped")
-    following = lockapp.per_slot.apply_async((tag, tag), queue=queue,
-                                             headers={PUBLISHED_HEADER: published + 61})
+    following = lockapp.per_slot.apply_async(
+        (tag, tag), queue=queue, headers={PUBLISHED_HEADER: published + 61}
+    )
     assert following.get(timeout=20).endswith("@2023-11-14T22:15:00+00:00")
     assert len(records(lockapp, tag)) == 2
 
 
 @pytest.mark.timeout(90)
 def test_revoke_with_terminate_releases_the_lock_before_its_ttl(
-    lockapp: Any, broker: RedisServer, redlock_masters: ServerSet, tag: str,
+    lockapp: Any,
+    broker: RedisServer,
+    redlock_masters: ServerSet,
+    tag: str,
 ) -> None:
     """The terminated child's lock is released, not left to expire: with a 5 s TTL, a contender
     gets in well before the TTL runs out."""
     queue = f"q-revoke-{tag}"
     env = app_env(broker.url, broker.url, redlock_masters.urls, queue)
-    with CeleryWorker("lockapp", pool="prefork", concurrency=2, queues=[queue], env=env,
-                      pythonpath=[str(HERE), str(ROOT)]):
+    with CeleryWorker(
+        "lockapp", pool="prefork", concurrency=2, queues=[queue], env=env, pythonpath=[str(HERE), str(ROOT)]
+    ):
         result = lockapp.hold.apply_async((tag, 60.0, tag), queue=queue)  # lock TTL 5 s
         wait_for(lambda: records(lockapp, tag), 20, "the task to start")
         with Redlock(redlock_masters.urls) as contender:
@@ -121,19 +136,19 @@ def test_revoke_with_terminate_releases_the_lock_before_its_ttl(
 
 
 def test_startup_checks_warn_about_weakened_locks() -> None:
-    from celery_redlock.hooks import check_app
+    from celery_redlock.celery.task import check_app
 
     app = Celery("checks", broker="redis://127.0.0.1:1/0", set_as_current=False)
     app.conf.redlock_masters = ["redis://127.0.0.1:7001/0", "redis://127.0.0.1:7002/0"]
     app.conf.broker_transport_options = {"visibility_timeout": 10}
 
-    @app.task(base=RedlockTask, lock_key="a:<n>", name="checks.late", acks_late=True,
-              lock_ttl=60.0, shared=False)
+    @app.task(
+        base=RedlockTask, lock_key="a:<n>", name="checks.late", acks_late=True, lock_ttl=60.0, shared=False
+    )
     def late(n: int) -> int:
         return n
 
-    @app.task(base=RedlockTask, lock_key="b:<n>", name="checks.unbeaten", lock_heartbeat=False,
-              shared=False)
+    @app.task(base=RedlockTask, lock_key="b:<n>", name="checks.unbeaten", lock_heartbeat=False, shared=False)
     def unbeaten(n: int) -> int:
         return n
 
@@ -145,23 +160,25 @@ def test_startup_checks_warn_about_weakened_locks() -> None:
     quiet = Celery("quiet", broker="amqp://127.0.0.1:1//", set_as_current=False)
     quiet.conf.redlock_masters = ["redis://127.0.0.1:7001/0"]
 
-    @quiet.task(base=RedlockTask, lock_key="c:<n>", name="quiet.job", acks_late=True,
-                 shared=False)
+    @quiet.task(base=RedlockTask, lock_key="c:<n>", name="quiet.job", acks_late=True, shared=False)
     def job(n: int) -> int:
         return n
 
     assert check_app(quiet) == []
 
 
-@pytest.mark.parametrize(("name", "value", "message"), [
-    ("redlock_release_linger", 2.0, "redlock_release_linger must be at most 1.0 s"),
-    ("redlock_release_linger", -0.01, "redlock_release_linger must be >= 0"),
-    ("redlock_release_linger", "20ms", "redlock_release_linger must be a number"),
-    ("redlock_ttl", 0, "redlock_ttl must be > 0"),
-    ("redlock_contended", "wait", "redlock_contended must be one of"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("redlock_release_linger", 2.0, "redlock_release_linger must be at most 1.0 s"),
+        ("redlock_release_linger", -0.01, "redlock_release_linger must be >= 0"),
+        ("redlock_release_linger", "20ms", "redlock_release_linger must be a number"),
+        ("redlock_ttl", 0, "redlock_ttl must be > 0"),
+        ("redlock_contended", "wait", "redlock_contended must be one of"),
+    ],
+)
 def test_bad_app_settings_fail_naming_the_setting(name: str, value: object, message: str) -> None:
-    from celery_redlock.settings import read_settings
+    from celery_redlock.celery.settings import read_settings
 
     conf = {"redlock_masters": ["redis://127.0.0.1:7001/0"], name: value}
     with pytest.raises(ConfigError, match=message):

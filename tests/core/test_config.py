@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_redlock import ConfigError, Redlock, RedlockWarning
-from celery_redlock.redlock import MAX_NAME_LENGTH
+from celery_redlock.lock.redlock import MAX_NAME_LENGTH
 from celery_redlock.testing import RedisServer, ServerSet, free_port
 
 
@@ -43,8 +43,10 @@ def test_bad_settings_are_named(kwargs: dict[str, object], named: str) -> None:
         (["http://127.0.0.1:6379"], "http://127.0.0.1:6379"),
         (["127.0.0.1:6379"], "127.0.0.1:6379"),
         ([42], "int"),
-        (["redis://127.0.0.1:7001/0", "redis://127.0.0.1:7001/0", "redis://127.0.0.1:7002/0"],
-         "127.0.0.1:7001"),
+        (
+            ["redis://127.0.0.1:7001/0", "redis://127.0.0.1:7001/0", "redis://127.0.0.1:7002/0"],
+            "127.0.0.1:7001",
+        ),
         (["redis://127.0.0.1:notaport/0"], "notaport"),
     ],
 )
@@ -105,9 +107,10 @@ def test_redis_client_objects_and_prefix(redlock_masters: ServerSet) -> None:
 
 def test_password_acl_user_and_unix_socket() -> None:
     """Masters reached with a password, an ACL user, and a unix socket, in one Redlock."""
-    with RedisServer(extra_args=["--requirepass", "s3cret"]) as with_password, RedisServer(
-        extra_args=["--user", "locker", "on", ">pw", "~*", "+@all"]
-    ) as with_acl:
+    with (
+        RedisServer(extra_args=["--requirepass", "s3cret"]) as with_password,
+        RedisServer(extra_args=["--user", "locker", "on", ">pw", "~*", "+@all"]) as with_acl,
+    ):
         plain = RedisServer()
         sock = plain.dir / "redis.sock"
         plain.extra_args = ("--unixsocket", str(sock), "--unixsocketperm", "700")
@@ -162,26 +165,76 @@ def _make_certificates(folder: Path) -> None:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
 
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-            "-days", "2", "-subj", "/CN=celery-redlock test CA")
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-            "-subj", "/CN=127.0.0.1")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=celery-redlock test CA",
+    )
+    openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
     (folder / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", "server.crt", "-days", "2", "-extfile", "ext")
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "ext",
+    )
 
 
-@pytest.mark.skipif(not (shutil.which("redis-server") and shutil.which("openssl")),
-                    reason="needs this machine's redis-server (built with TLS) and openssl; "
-                           "the embedded valkey-server has no TLS")
+@pytest.mark.skipif(
+    not (shutil.which("redis-server") and shutil.which("openssl")),
+    reason="needs this machine's redis-server (built with TLS) and openssl; "
+    "the embedded valkey-server has no TLS",
+)
 def test_tls_master(tmp_path: Path) -> None:
     _make_certificates(tmp_path)
     tls_port = free_port()
-    server = RedisServer(binary=shutil.which("redis-server"), extra_args=[
-        "--tls-port", str(tls_port), "--tls-cert-file", str(tmp_path / "server.crt"),
-        "--tls-key-file", str(tmp_path / "server.key"),
-        "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no",
-    ])
+    server = RedisServer(
+        binary=shutil.which("redis-server"),
+        extra_args=[
+            "--tls-port",
+            str(tls_port),
+            "--tls-cert-file",
+            str(tmp_path / "server.crt"),
+            "--tls-key-file",
+            str(tmp_path / "server.key"),
+            "--tls-ca-cert-file",
+            str(tmp_path / "ca.crt"),
+            "--tls-auth-clients",
+            "no",
+        ],
+    )
     with server:
         trusted = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
         with Redlock([trusted]) as rl:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from celery_redlock import Lock, Redlock
-from celery_redlock.heartbeat import Heartbeat, process_heartbeat
+from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
 
 from .conftest import wait_for
@@ -58,8 +58,9 @@ def test_reports_a_lost_lock_once(masters: ServerSet, rl: Redlock, heartbeat: He
     assert len(reasons) == 1 and lock not in heartbeat.kept()
 
 
-def test_a_passing_fault_does_not_cost_the_lock(masters: ServerSet, rl: Redlock,
-                                                heartbeat: Heartbeat) -> None:
+def test_a_passing_fault_does_not_cost_the_lock(
+    masters: ServerSet, rl: Redlock, heartbeat: Heartbeat
+) -> None:
     lock = rl.lock("blip", ttl=1.5)
     assert lock.acquire(blocking=False)
     lost = threading.Event()
@@ -80,8 +81,7 @@ def test_max_hold_stops_extending(rl: Redlock, heartbeat: Heartbeat) -> None:
     assert lock.acquire(blocking=False)
     lost = threading.Event()
     reasons: list[str] = []
-    heartbeat.keep(lock, max_hold=0.5,
-                   on_lost=lambda _l, reason: (reasons.append(reason), lost.set()))
+    heartbeat.keep(lock, max_hold=0.5, on_lost=lambda _l, reason: (reasons.append(reason), lost.set()))
     assert lost.wait(3.0)
     assert "max hold" in reasons[0]
     assert not lock.owned()

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_redlock import Lock, Redlock
-from celery_redlock.heartbeat import COMPACT_SLACK, Heartbeat
+from celery_redlock.lock.heartbeat import COMPACT_SLACK, Heartbeat
 from celery_redlock.testing import ServerSet
 
 from .conftest import keys_on, wait_for
@@ -192,15 +192,17 @@ def test_silent_masters_cost_one_timeout_together(masters: ServerSet, paused: tu
         silent = {masters[i].address for i in paused}
 
         def on_silent() -> list[bytes]:
-            return [key for address, keys in keys_on(masters, lock.key).items()
-                    if address in silent for key in keys]
+            return [
+                key
+                for address, keys in keys_on(masters, lock.key).items()
+                if address in silent
+                for key in keys
+            ]
 
         assert wait_for(lambda: not on_silent(), 3.0), on_silent()
         assert lock.owned()
         lock.release()
-        assert wait_for(lambda: not any(keys_on(masters, lock.key).values()), 3.0), (
-            keys_on(masters, lock.key)
-        )
+        assert wait_for(lambda: not any(keys_on(masters, lock.key).values()), 3.0), keys_on(masters, lock.key)
     finally:
         lock.release()
         rl.close()

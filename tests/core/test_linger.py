@@ -40,8 +40,7 @@ def wait_gone(masters: ServerSet, key: str, within: float) -> float:
     return time.monotonic() - started
 
 
-def test_release_lingers_until_the_next_round_carries_it(masters: ServerSet,
-                                                         lingering: Redlock) -> None:
+def test_release_lingers_until_the_next_round_carries_it(masters: ServerSet, lingering: Redlock) -> None:
     first = lingering.lock("linger:first", ttl=30)
     assert first.acquire(blocking=False)
     first.release()
@@ -65,8 +64,7 @@ def test_the_same_key_is_free_again_for_its_own_process_at_once(lingering: Redlo
         lock.release()
 
 
-def test_an_idle_process_releases_within_the_bound(masters: ServerSet,
-                                                   lingering: Redlock) -> None:
+def test_an_idle_process_releases_within_the_bound(masters: ServerSet, lingering: Redlock) -> None:
     lock = lingering.lock("linger:idle", ttl=30)
     assert lock.acquire(blocking=False)
     lock.release()

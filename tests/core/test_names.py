@@ -8,8 +8,8 @@ from decimal import Decimal
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from celery_redlock.keys import compile_lock_key, render_value
-from celery_redlock.redlock import MAX_NAME_LENGTH, lock_key
+from celery_redlock.celery.keys import compile_lock_key, render_value
+from celery_redlock.lock.redlock import MAX_NAME_LENGTH, lock_key
 
 names = st.text(min_size=1, max_size=3000)
 
@@ -35,8 +35,12 @@ def test_keys_are_bounded_and_short_names_kept(name: str) -> None:
 
 @given(st.integers(min_value=-(10**15), max_value=10**15))
 def test_one_number_renders_one_way_whatever_its_type(n: int) -> None:
-    forms = {render_value(n), render_value(float(n)), render_value(Decimal(n)),
-             render_value(Decimal(n).quantize(Decimal("0.01")))}
+    forms = {
+        render_value(n),
+        render_value(float(n)),
+        render_value(Decimal(n)),
+        render_value(Decimal(n).quantize(Decimal("0.01"))),
+    }
     assert forms == {str(n)}
 
 
@@ -44,12 +48,10 @@ def invoice(invoice_id: int, amount: int = 0, *, currency: str = "EUR") -> None:
 
 
 @given(st.integers(), st.integers(), st.sampled_from(["EUR", "USD", "JPY"]))
-def test_binding_ignores_how_the_call_was_written(invoice_id: int, amount: int,
-                                                  currency: str) -> None:
+def test_binding_ignores_how_the_call_was_written(invoice_id: int, amount: int, currency: str) -> None:
     key = compile_lock_key("invoice:<invoice_id>:<currency>", invoice, "charge")
     expected = f"invoice:{invoice_id}:{currency}"
     assert key.render((invoice_id, amount), {"currency": currency}) == expected
-    assert key.render((), {"invoice_id": invoice_id, "amount": amount,
-                           "currency": currency}) == expected
+    assert key.render((), {"invoice_id": invoice_id, "amount": amount, "currency": currency}) == expected
     if currency == "EUR":
         assert key.render((invoice_id,)) == expected

@@ -95,9 +95,22 @@ def test_a_pytest_run_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> No
     )
     pids_file = tmp_path / "pids"
     run = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path, env={**os.environ, "PIDS_FILE": str(pids_file)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "celery_redlock.testing.pytest_plugin",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PIDS_FILE": str(pids_file)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 30

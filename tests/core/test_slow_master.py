@@ -1,15 +1,20 @@
-"""Acquisition slower than the TTL (a majority of masters delayed by a loopback TCP proxy the
-tests own) is reported as a failure and leaves no keys.
+"""Acquisition slower than the TTL is reported as a failure and leaves no keys.
 
-The request timeout is far above the added latency, so every master's reply *does* arrive and
-every master grants: what fails the attempt is only that the round took longer than the TTL, so
-no validity is left (step 3 of the algorithm). The attempt must then release on every master.
+Every master's reply arrives (a majority of them delayed by a loopback TCP proxy the tests own,
+well within the request timeout) and every master grants: what fails the attempt is only that
+more than the TTL passed between the start of the round and the holder looking at its result,
+so no validity is left (step 3 of the algorithm). The attempt must then release on every master.
+
+A TTL must be at least what one round can take (``Redlock.min_ttl``), so the masters' delay
+alone can no longer overrun it; what still can is the holder itself stalling after the masters
+answered (a long GC, a SIGSTOP), which the Redlock below does on demand.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -17,9 +22,21 @@ from celery_redlock import Redlock
 from celery_redlock.testing import ProxySet, ServerSet
 
 TTL = 0.25
-REPLY_DELAY = 0.35  # > TTL, << REQUEST_TIMEOUT
-REQUEST_TIMEOUT = 2.0
+REPLY_DELAY = 0.05  # < REQUEST_TIMEOUT
+REQUEST_TIMEOUT = 0.2  # the least TTL it allows is 0.205 s
+STALL = 0.3  # > TTL
 KEY_PREFIX = "slowtest:"
+
+
+class StallsAfterTheRound(Redlock):
+    """A holder that stalls for ``stall`` seconds after the masters answered its acquire."""
+
+    stall = 0.0
+
+    def try_acquire(self, key: str, token: str, ttl: float) -> Any:
+        result = super().try_acquire(key, token, ttl)
+        time.sleep(self.stall)
+        return result
 
 
 @pytest.fixture
@@ -37,8 +54,7 @@ def command_calls(server_set: ServerSet, *names: str) -> list[int]:
             stats = client.info("commandstats")
         finally:
             client.close()
-        counts.append(sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
-                          for name in names))
+        counts.append(sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names))
     return counts
 
 
@@ -59,8 +75,9 @@ def keys_left(server_set: ServerSet) -> dict[str, list[bytes]]:
 def test_acquisition_slower_than_ttl_fails_and_leaves_no_keys(
     redlock_masters: ServerSet, proxies: ProxySet
 ) -> None:
-    with Redlock(proxies.urls, ttl=TTL, request_timeout=REQUEST_TIMEOUT, retry_count=0,
-                 key_prefix=KEY_PREFIX) as redlock:
+    with StallsAfterTheRound(
+        proxies.urls, ttl=TTL, request_timeout=REQUEST_TIMEOUT, retry_count=0, key_prefix=KEY_PREFIX
+    ) as redlock:
         # Control: through the same proxies with no delay, the same lock is granted.
         control = redlock.lock("invoice:slow")
         assert control.acquire(blocking=False), control.last_error
@@ -74,6 +91,7 @@ def test_acquisition_slower_than_ttl_fails_and_leaves_no_keys(
                 client.close()
         for proxy in proxies[:3]:  # a majority: no quorum can be formed of fast masters alone
             proxy.delay(REPLY_DELAY, "down")
+        redlock.stall = STALL
 
         lock = redlock.lock("invoice:slow")
         started = time.monotonic()
@@ -86,9 +104,9 @@ def test_acquisition_slower_than_ttl_fails_and_leaves_no_keys(
         assert error is not None
         # Every master granted, and in time for the request timeout: only the TTL was overrun.
         assert [vote.kind for vote in error.votes] == ["yes"] * 5, str(error)
-        assert error.elapsed > TTL
+        assert REPLY_DELAY <= error.elapsed < REQUEST_TIMEOUT
         assert error.validity <= 0
-        assert REPLY_DELAY <= took < REQUEST_TIMEOUT
+        assert TTL < took < REQUEST_TIMEOUT + STALL
 
         # Wait for the proxies to deliver everything still held back, then nothing of ours may
         # remain on any master; and every master must have run the acquire *and* the release.

@@ -10,9 +10,8 @@ import socket
 
 import pytest
 
-from celery_redlock import scripts
-from celery_redlock.testing import ServerSet
-from celery_redlock.wire import (
+from celery_redlock.lock import scripts
+from celery_redlock.lock.wire import (
     NOTHING,
     SHORT_RUNS,
     SLOT,
@@ -22,6 +21,7 @@ from celery_redlock.wire import (
     Template,
     pack,
 )
+from celery_redlock.testing import ServerSet
 
 COMMANDS = [
     ("SET", "wire:a", "token", "NX", "PX", 60_000),
@@ -37,8 +37,17 @@ COMMANDS = [
     ("EVAL", "return {1, {2, 'x'}, redis.error_reply('boom')}", 0),
 ]
 EXPECTED = [
-    b"OK", None, b"token", None, 1, 0, b"OK", b"\x00\xffbinary", [b"\x00\xffbinary", None],
-    "ERR", [1, [2, b"x"], "boom"],
+    b"OK",
+    None,
+    b"token",
+    None,
+    1,
+    0,
+    b"OK",
+    b"\x00\xffbinary",
+    [b"\x00\xffbinary", None],
+    "ERR",
+    [1, [2, b"x"], "boom"],
 ]
 
 

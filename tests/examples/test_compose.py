@@ -40,8 +40,11 @@ def _masters(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def _celery(compose: dict[str, Any], role: str | None = None) -> dict[str, dict[str, Any]]:
-    return {name: s for name, s in compose["services"].items()
-            if _command(s)[:1] == ["celery"] and (role is None or role in _command(s))}
+    return {
+        name: s
+        for name, s in compose["services"].items()
+        if _command(s)[:1] == ["celery"] and (role is None or role in _command(s))
+    }
 
 
 def test_five_independent_masters_that_keep_every_granted_lock(compose: dict[str, Any]) -> None:
@@ -62,12 +65,19 @@ def test_five_independent_masters_that_keep_every_granted_lock(compose: dict[str
 
 def _app_settings(environment: dict[str, str]) -> dict[str, Any]:
     """The invoices app, imported as its worker would with the service's environment."""
-    probe = ("import json; from tasks import app; from celery_redlock.settings import read_settings; "
-             "s = read_settings(app.conf); "
-             "print(json.dumps({'masters': list(s.masters), 'broker': app.conf.broker_url}))")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT / "examples" / "invoices",
-                            env={**os.environ, **environment, "PYTHONPATH": "."},
-                            capture_output=True, text=True, timeout=60)
+    probe = (
+        "import json; from tasks import app; from celery_redlock.celery.settings import read_settings; "
+        "s = read_settings(app.conf); "
+        "print(json.dumps({'masters': list(s.masters), 'broker': app.conf.broker_url}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=ROOT / "examples" / "invoices",
+        env={**os.environ, **environment, "PYTHONPATH": "."},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
     return dict(json.loads(result.stdout))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock.demo import burst
-from celery_redlock.demo_ledger import LedgerReader, LedgerWriter, find_overlaps, summarize
+from celery_redlock.demo.ledger import LedgerReader, LedgerWriter, summarize
+from celery_redlock.demo.run import burst
 
 from .procs import printed_pids, survivors
 
@@ -43,9 +43,12 @@ def _assert_nothing_left(output: str, expected: int) -> None:
 @pytest.mark.timeout(150)
 def test_demo_runs_a_duplicate_burst_without_overlap_through_a_master_kill() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "200", "--invoices", "20",
-         "--seed", "7"],
-        cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=120, env=_env(),
+        [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "200", "--invoices", "20", "--seed", "7"],
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
@@ -62,9 +65,22 @@ def test_demo_runs_a_duplicate_burst_without_overlap_through_a_master_kill() -> 
 @pytest.mark.timeout(120)
 def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     demo = subprocess.Popen(
-        [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "5000", "--invoices", "50",
-         "--deadline", "90"],
-        cwd=tempfile.gettempdir(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "celery_redlock",
+            "demo",
+            "--tasks",
+            "5000",
+            "--invoices",
+            "50",
+            "--deadline",
+            "90",
+        ],
+        cwd=tempfile.gettempdir(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env=_env(),
     )
     lines: list[str] = []
@@ -87,11 +103,14 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     _assert_nothing_left(out, expected=8)
 
 
-def test_checker_finds_overlapping_holds_of_one_resource_only(tmp_path: Path) -> None:
+def test_the_summary_counts_each_event_and_names_the_overlapping_runs(tmp_path: Path) -> None:
     writer = LedgerWriter(tmp_path)
-    runs = [("a", "invoice:1", 0.0, 1.0), ("b", "invoice:1", 1.0, 2.0),  # back to back: fine
-            ("c", "invoice:1", 1.5, 1.7),                                  # inside b: overlap
-            ("d", "invoice:2", 0.5, 1.5)]                                  # other resource
+    runs = [
+        ("a", "invoice:1", 0.0, 1.0),
+        ("b", "invoice:1", 1.0, 2.0),  # back to back: fine
+        ("c", "invoice:1", 1.5, 1.7),  # inside b: overlap
+        ("d", "invoice:2", 0.5, 1.5),
+    ]  # other resource
     for task_id, resource, start, end in runs:
         writer.write("run", task_id=task_id, resource=resource, start=start, end=end, acquire=0.001)
         writer.write("done", task_id=task_id, state="SUCCESS")
@@ -100,9 +119,8 @@ def test_checker_finds_overlapping_holds_of_one_resource_only(tmp_path: Path) ->
     writer.write("done", task_id="e", state="SUCCESS")  # the retried run ended without a body
     reader = LedgerReader(tmp_path)
     reader.poll()
-    overlaps = find_overlaps(reader.runs)
-    assert [(a.task_id, b.task_id) for a, b in overlaps] == [("b", "c")]
     summary = summarize(reader, submitted=5)
+    assert [(a.task_id, b.task_id) for a, b in summary.overlaps] == [("b", "c")]
     assert (summary.finished, summary.ran, summary.waited, summary.skipped) == (5, 4, 1, 1)
     assert not summary.ok
 
@@ -123,9 +141,27 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
 
     with RedisServer() as broker:
         result = subprocess.run(
-            [sys.executable, "-m", "celery_redlock", "demo", "--masters", ",".join(redlock_master_urls),
-             "--broker", broker.url, "--tasks", "40", "--invoices", "8", "--work", "0.02"],
-            cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=100, env=_env(),
+            [
+                sys.executable,
+                "-m",
+                "celery_redlock",
+                "demo",
+                "--masters",
+                ",".join(redlock_master_urls),
+                "--broker",
+                broker.url,
+                "--tasks",
+                "40",
+                "--invoices",
+                "8",
+                "--work",
+                "0.02",
+            ],
+            cwd=tempfile.gettempdir(),
+            capture_output=True,
+            text=True,
+            timeout=100,
+            env=_env(),
         )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
@@ -135,14 +171,18 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
     _assert_nothing_left(out, expected=2)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--tasks", "5", "--invoices", "10"], "--tasks (5) must be at least --invoices (10)"),
-    (["--workers", "0"], "must be > 0"),
-    (["--masters", ","], "expected comma-separated redis:// URLs"),
-    (["--contended", "wait"], "invalid choice: 'wait'"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tasks", "5", "--invoices", "10"], "--tasks (5) must be at least --invoices (10)"),
+        (["--workers", "0"], "must be > 0"),
+        (["--masters", ","], "expected comma-separated redis:// URLs"),
+        (["--contended", "wait"], "invalid choice: 'wait'"),
+    ],
+)
 def test_demo_rejects_bad_options_by_name(args: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "celery_redlock", "demo", *args],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "celery_redlock", "demo", *args], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert message in result.stderr

@@ -28,8 +28,10 @@ def invoices_env(redlock_master_urls: list[str], tmp_path: Path) -> Iterator[dic
 
 @pytest.mark.timeout(150)
 def test_every_invoice_is_charged_once_however_often_it_is_sent(invoices_env: dict[str, str]) -> None:
-    workers = [CeleryWorker("tasks", concurrency=2, env=invoices_env, cwd=EXAMPLE,
-                            pythonpath=[EXAMPLE]) for _ in range(2)]
+    workers = [
+        CeleryWorker("tasks", concurrency=2, env=invoices_env, cwd=EXAMPLE, pythonpath=[EXAMPLE])
+        for _ in range(2)
+    ]
     try:
         for worker in workers:
             worker.start(wait=False)
@@ -37,7 +39,10 @@ def test_every_invoice_is_charged_once_however_often_it_is_sent(invoices_env: di
             worker.wait_ready()
         result = subprocess.run(
             [sys.executable, "submit.py", "--invoices", "12", "--copies", "5", "--timeout", "90"],
-            cwd=EXAMPLE, env={**os.environ, **invoices_env}, capture_output=True, text=True,
+            cwd=EXAMPLE,
+            env={**os.environ, **invoices_env},
+            capture_output=True,
+            text=True,
             timeout=110,
         )
     finally:

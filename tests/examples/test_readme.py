@@ -22,13 +22,12 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock import beat, settings
-from celery_redlock.task import RedlockTaskMixin
+from celery_redlock.celery import beat, settings
+from celery_redlock.celery.task import RedlockTaskMixin
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
-BLOCK = re.compile(r"(?:<!--\s*(?P<marker>[^>]*?)\s*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)^```$",
-                   re.S | re.M)
+BLOCK = re.compile(r"(?:<!--\s*(?P<marker>[^>]*?)\s*-->\n)?```(?P<lang>\w*)\n(?P<body>.*?)^```$", re.S | re.M)
 BLOCKS = [(m["marker"] or "", m["lang"], m["body"]) for m in BLOCK.finditer(README)]
 
 
@@ -38,8 +37,11 @@ def _blocks(kind: str) -> list[tuple[str, str, str]]:
 
 def test_every_block_is_tested_or_marked_as_a_fragment() -> None:
     assert len(BLOCKS) >= 5
-    unmarked = [body[:60] for marker, _, body in BLOCKS
-                if not marker.startswith(("test: exec", "test: excerpt", "test: covered-by", "fragment"))]
+    unmarked = [
+        body[:60]
+        for marker, _, body in BLOCKS
+        if not marker.startswith(("test: exec", "test: excerpt", "test: covered-by", "fragment"))
+    ]
     assert unmarked == []
 
 
@@ -55,8 +57,13 @@ def test_first_screen_is_the_two_fresh_machine_commands() -> None:
 def test_exec_block_runs(index: int, redlock_master_urls: list[str]) -> None:
     _, lang, body = _blocks("test: exec")[index]
     assert lang == "python"
-    result = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True, timeout=50,
-                            env={**os.environ, "REDLOCK_MASTERS": ",".join(redlock_master_urls)})
+    result = subprocess.run(
+        [sys.executable, "-c", body],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "REDLOCK_MASTERS": ",".join(redlock_master_urls)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -89,8 +96,11 @@ def test_covered_blocks_name_what_their_tests_run() -> None:
 def test_settings_table_lists_every_setting_and_task_option() -> None:
     names = set(settings.DEFAULTS)
     names |= set(re.findall(r"redlock_beat_\w+", inspect.getsource(beat)))
-    names |= {n for n in vars(RedlockTaskMixin)
-              if n.startswith("lock_") and not callable(getattr(RedlockTaskMixin, n))}
+    names |= {
+        n
+        for n in vars(RedlockTaskMixin)
+        if n.startswith("lock_") and not callable(getattr(RedlockTaskMixin, n))
+    }
     names.add("lock_key")
     missing = sorted(n for n in names if f"| `{n}` |" not in README)
     assert missing == []

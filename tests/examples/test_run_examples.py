@@ -14,8 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, timeout: float) -> str:
-    result = subprocess.run([sys.executable, script], cwd=ROOT, capture_output=True, text=True,
-                            timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    result = subprocess.run(
+        [sys.executable, script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

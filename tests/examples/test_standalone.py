@@ -14,9 +14,19 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(90)
 def test_standalone_example_counts_every_locked_increment(redlock_master_urls: list[str]) -> None:
     result = subprocess.run(
-        [sys.executable, "examples/standalone/standalone.py", *redlock_master_urls,
-         "--workers", "4", "--rounds", "20"],
-        cwd=ROOT, capture_output=True, text=True, timeout=80,
+        [
+            sys.executable,
+            "examples/standalone/standalone.py",
+            *redlock_master_urls,
+            "--workers",
+            "4",
+            "--rounds",
+            "20",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "second holder refused: 5 masters answered 'held'" in result.stdout

@@ -19,7 +19,7 @@ from typing import Any
 from celery import Celery
 
 from celery_redlock import LockLost, RedlockTask
-from celery_redlock import signals as lock_signals
+from celery_redlock.celery import signals as lock_signals
 
 from .client import failure_reason
 from .register import CELERY_FAILURES, EVENTS, Register
@@ -54,12 +54,16 @@ def register() -> Register:
 
 
 @lock_signals.lock_acquired.connect  # type: ignore[untyped-decorator]
-def _note_acquired(sender: Any = None, token: str = "", validity: float = 0.0,
-                   **_: Any) -> None:
+def _note_acquired(sender: Any = None, token: str = "", validity: float = 0.0, **_: Any) -> None:
     now = time.monotonic()
     lock = sender.redlock
-    _local.acquired = (token, now, now + validity,
-                       sum(1 for v in lock.last_votes if v.kind == "yes"), lock.redlock.quorum)
+    _local.acquired = (
+        token,
+        now,
+        now + validity,
+        sum(1 for v in lock.last_votes if v.kind == "yes"),
+        lock.redlock.quorum,
+    )
 
 
 @lock_signals.lock_contended.connect  # type: ignore[untyped-decorator]
@@ -67,8 +71,12 @@ def _note_contended(sender: Any = None, error: Any = None, **_: Any) -> None:
     register().client.hincrby(CELERY_FAILURES, failure_reason(error), 1)
 
 
-@app.task(base=RedlockTask, bind=True, name="faults.rmw",  # type: ignore[untyped-decorator]
-          lock_key="res:<resource>")
+@app.task(
+    base=RedlockTask,
+    bind=True,
+    name="faults.rmw",  # type: ignore[untyped-decorator]
+    lock_key="res:<resource>",
+)
 def rmw(self: Any, resource: str, hold: float) -> None:
     lock = self.redlock
     token, t_acquired, validity_end, yes, quorum = _local.acquired
@@ -76,12 +84,30 @@ def rmw(self: Any, resource: str, hold: float) -> None:
     reg = register()
     client = f"{self.request.hostname}/{os.getpid()}"
     record: dict[str, Any] = {
-        "kind": "hold", "client": client, "resource": resource, "token": token,
-        "t_acquired": t_acquired, "validity_end": validity_end, "t_released": None,
-        "yes": yes, "quorum": quorum, "wrote": False, "lost": "", "pid": os.getpid(),
+        "kind": "hold",
+        "client": client,
+        "resource": resource,
+        "token": token,
+        "t_acquired": t_acquired,
+        "validity_end": validity_end,
+        "t_released": None,
+        "yes": yes,
+        "quorum": quorum,
+        "wrote": False,
+        "lost": "",
+        "pid": os.getpid(),
     }
-    reg.record({"kind": "holding", "client": client, "pid": os.getpid(), "resource": resource,
-                "token": token, "t": time.monotonic()}, key=EVENTS)
+    reg.record(
+        {
+            "kind": "holding",
+            "client": client,
+            "pid": os.getpid(),
+            "resource": resource,
+            "token": token,
+            "t": time.monotonic(),
+        },
+        key=EVENTS,
+    )
     owned, raised = True, ""
     try:
         lock.ensure()
@@ -91,8 +117,7 @@ def rmw(self: Any, resource: str, hold: float) -> None:
         done = time.monotonic() + hold
         while time.monotonic() < done:
             if lock.owned():
-                record["validity_end"] = max(record["validity_end"],
-                                             time.monotonic() + lock.validity)
+                record["validity_end"] = max(record["validity_end"], time.monotonic() + lock.validity)
             time.sleep(min(SAMPLE, max(0.0, done - time.monotonic())))
         owned = lock.owned()
         lock.ensure()
@@ -105,5 +130,14 @@ def rmw(self: Any, resource: str, hold: float) -> None:
         record["lost"] = raised = f"LockLost: {exc.reason}"
     record["t_released"] = time.monotonic()  # the body is done; after_return releases
     reg.record(record)
-    reg.record({"kind": "checked", "client": client, "token": token, "t": time.monotonic(),
-                "owned": owned, "ensure_raised": raised}, key=EVENTS)
+    reg.record(
+        {
+            "kind": "checked",
+            "client": client,
+            "token": token,
+            "t": time.monotonic(),
+            "owned": owned,
+            "ensure_raised": raised,
+        },
+        key=EVENTS,
+    )

@@ -20,17 +20,38 @@ CONCURRENCY = 2
 
 
 @contextmanager
-def celery_workers(count: int, *, package: str, root: Path, broker: str, register: str,
-                   masters: Sequence[str], ttl: float, key_prefix: str,
-                   queue: str) -> Iterator[list[CeleryWorker]]:
-    env = {"FAULTS_BROKER": broker, "FAULTS_REGISTER": register, "FAULTS_MASTERS": ",".join(masters),
-           "FAULTS_TTL": str(ttl), "FAULTS_KEY_PREFIX": key_prefix, "FAULTS_QUEUE": queue}
+def celery_workers(
+    count: int,
+    *,
+    package: str,
+    root: Path,
+    broker: str,
+    register: str,
+    masters: Sequence[str],
+    ttl: float,
+    key_prefix: str,
+    queue: str,
+) -> Iterator[list[CeleryWorker]]:
+    env = {
+        "FAULTS_BROKER": broker,
+        "FAULTS_REGISTER": register,
+        "FAULTS_MASTERS": ",".join(masters),
+        "FAULTS_TTL": str(ttl),
+        "FAULTS_KEY_PREFIX": key_prefix,
+        "FAULTS_QUEUE": queue,
+    }
     workers: list[CeleryWorker] = []
     try:
         for _ in range(count):
-            worker = CeleryWorker(f"{package}.celery_app", pool="prefork", concurrency=CONCURRENCY,
-                                  queues=[queue], env=env, pythonpath=[str(root)],
-                                  loglevel="INFO")
+            worker = CeleryWorker(
+                f"{package}.celery_app",
+                pool="prefork",
+                concurrency=CONCURRENCY,
+                queues=[queue],
+                env=env,
+                pythonpath=[str(root)],
+                loglevel="INFO",
+            )
             workers.append(worker)
             worker.start()
         yield workers
@@ -40,9 +61,17 @@ def celery_workers(count: int, *, package: str, root: Path, broker: str, registe
             worker.cleanup()
 
 
-def produce(broker: str, queue: str, register: Register, resources: Sequence[str],
-            hold: tuple[float, float], ttl: float, until: float, rng: random.Random,
-            outstanding: int) -> int:
+def produce(
+    broker: str,
+    queue: str,
+    register: Register,
+    resources: Sequence[str],
+    hold: tuple[float, float],
+    ttl: float,
+    until: float,
+    rng: random.Random,
+    outstanding: int,
+) -> int:
     """Publish ``faults.rmw`` calls until ``until``, keeping about ``outstanding`` unfinished
     (a contended call is republished by the task itself and stays unfinished). Returns how many."""
     producer = Celery("faults-producer", broker=broker)
@@ -51,9 +80,12 @@ def produce(broker: str, queue: str, register: Register, resources: Sequence[str
         while time.monotonic() < until:
             finished = register.count()
             for _ in range(max(0, outstanding - (published - finished))):
-                producer.send_task("faults.rmw", args=[rng.choice(list(resources)),
-                                                       rng.uniform(*hold) * ttl],
-                                   queue=queue, task_id=uuid.uuid4().hex)
+                producer.send_task(
+                    "faults.rmw",
+                    args=[rng.choice(list(resources)), rng.uniform(*hold) * ttl],
+                    queue=queue,
+                    task_id=uuid.uuid4().hex,
+                )
                 published += 1
             time.sleep(0.05)  # pacing the producer's polls, not synchronisation
     finally:

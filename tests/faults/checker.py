@@ -1,8 +1,9 @@
 """Checks a run from its recorded history alone, the way Jepsen checks a lock service.
 
-A hold's window is ``[t_acquired, end]`` where ``end`` is the earlier of its validity end and its
+A hold's window is ``[t_acquired, end)`` where ``end`` is the earlier of its validity end and its
 release: the span in which its holder was entitled to act. Two windows of one resource that
-intersect are an overlap (a mutual-exclusion violation), whatever the holders did inside them.
+intersect are an overlap (a mutual-exclusion violation), whatever the holders did inside them;
+that rule is ``celery_redlock.testing.overlap``'s, the one the demo and the other suites use.
 The register shows the consequences: every write appends to a log, so a write that collided with
 another (both read the same value) is a lost update.
 """
@@ -13,6 +14,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from celery_redlock.testing import overlap
 
 
 @dataclass(frozen=True)
@@ -34,36 +37,30 @@ class Hold:
             return self.validity_end
         return min(self.validity_end, self.t_released)
 
+    def window(self) -> overlap.Hold:
+        return overlap.Hold(self.resource, self.t_acquired, self.end, owner=self.client, info=self)
+
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> Hold:
         return cls(
-            client=record["client"], resource=record["resource"], token=record["token"],
-            t_acquired=record["t_acquired"], validity_end=record["validity_end"],
-            t_released=record["t_released"], yes=record["yes"], quorum=record["quorum"],
-            wrote=record["wrote"], lost=record["lost"],
+            client=record["client"],
+            resource=record["resource"],
+            token=record["token"],
+            t_acquired=record["t_acquired"],
+            validity_end=record["validity_end"],
+            t_released=record["t_released"],
+            yes=record["yes"],
+            quorum=record["quorum"],
+            wrote=record["wrote"],
+            lost=record["lost"],
         )
-
-
-@dataclass(frozen=True)
-class Overlap:
-    resource: str
-    first: Hold
-    second: Hold
-
-    @property
-    def seconds(self) -> float:
-        return min(self.first.end, self.second.end) - self.second.t_acquired
-
-    def __str__(self) -> str:
-        return (f"{self.resource}: {self.second.client} acquired {self.seconds * 1000:.1f} ms "
-                f"before the window of {self.first.client} ended")
 
 
 @dataclass
 class Report:
     operations: int = 0
     holds: int = 0
-    overlaps: list[Overlap] = field(default_factory=list)
+    overlaps: list[overlap.Overlap] = field(default_factory=list)
     lost_updates: int = 0
     writes: int = 0
     without_quorum: list[Hold] = field(default_factory=list)
@@ -73,29 +70,14 @@ class Report:
 
     def problems(self) -> list[str]:
         """Safety violations: empty when the run kept mutual exclusion."""
-        found = [f"overlap {overlap}" for overlap in self.overlaps]
+        found = [f"overlap {pair}" for pair in self.overlaps]
         if self.lost_updates:
             found.append(f"{self.lost_updates} lost update(s) in the register")
-        found += [f"{hold.client} held {hold.resource} with {hold.yes} votes < quorum {hold.quorum}"
-                  for hold in self.without_quorum]
+        found += [
+            f"{hold.client} held {hold.resource} with {hold.yes} votes < quorum {hold.quorum}"
+            for hold in self.without_quorum
+        ]
         return found
-
-
-def find_overlaps(holds: Iterable[Hold]) -> list[Overlap]:
-    """Every hold that began inside the window of an earlier hold of the same resource."""
-    overlaps = []
-    by_resource: dict[str, list[Hold]] = {}
-    for hold in holds:
-        by_resource.setdefault(hold.resource, []).append(hold)
-    for resource, group in sorted(by_resource.items()):
-        group.sort(key=lambda h: h.t_acquired)
-        widest: Hold | None = None  # the earlier hold whose window reaches furthest
-        for hold in group:
-            if widest is not None and hold.t_acquired < widest.end:
-                overlaps.append(Overlap(resource, widest, hold))
-            if widest is None or hold.end > widest.end:
-                widest = hold
-    return overlaps
 
 
 def lost_updates(log: Sequence[int], final: int) -> int:
@@ -122,7 +104,8 @@ def max_unavailable(holds: Iterable[Hold]) -> float:
 
 
 def check(
-    records: Iterable[Mapping[str, Any]], logs: Mapping[str, Sequence[int]],
+    records: Iterable[Mapping[str, Any]],
+    logs: Mapping[str, Sequence[int]],
     counters: Mapping[str, int],
 ) -> Report:
     """``records``: hold and summary records; ``logs``: per resource, the values written in order;
@@ -136,11 +119,10 @@ def check(
             report.failures.update(record["failures"])
     report.holds = len(holds)
     report.operations = report.holds + sum(report.failures.values())
-    report.overlaps = find_overlaps(holds)
+    report.overlaps = overlap.find_overlaps(hold.window() for hold in holds)
     report.without_quorum = [hold for hold in holds if hold.yes < hold.quorum]
     report.writes = sum(len(log) for log in logs.values())
-    report.lost_updates = sum(lost_updates(log, counters.get(resource, 0))
-                              for resource, log in logs.items())
+    report.lost_updates = sum(lost_updates(log, counters.get(resource, 0)) for resource, log in logs.items())
     report.max_unavailable = max_unavailable(holds) if holds else 0.0
     report.lost_holds = sum(1 for hold in holds if hold.lost)
     return report

@@ -76,8 +76,13 @@ def run_client(config: ClientConfig) -> None:
     register = Register(config.register)
     failures: Counter[str] = Counter()
     holds = 0
-    with Redlock(config.masters, ttl=config.ttl, retry_count=0,
-                 request_timeout=config.request_timeout, key_prefix=config.key_prefix) as redlock:
+    with Redlock(
+        config.masters,
+        ttl=config.ttl,
+        retry_count=0,
+        request_timeout=config.request_timeout,
+        key_prefix=config.key_prefix,
+    ) as redlock:
         while time.monotonic() < config.until:
             resource = rng.choice(config.resources)
             lock = redlock.lock(resource)
@@ -89,16 +94,27 @@ def run_client(config: ClientConfig) -> None:
             t_acquired = time.monotonic()
             validity_end = t_acquired + lock.validity
             record: dict[str, Any] = {
-                "kind": "hold", "client": config.name, "resource": resource, "token": lock.token,
-                "t_acquired": t_acquired, "validity_end": validity_end, "t_released": None,
+                "kind": "hold",
+                "client": config.name,
+                "resource": resource,
+                "token": lock.token,
+                "t_acquired": t_acquired,
+                "validity_end": validity_end,
+                "t_released": None,
                 "yes": sum(1 for v in lock.last_votes if v.kind == "yes"),
-                "masters": len(lock.last_votes), "quorum": redlock.quorum,
-                "wrote": False, "lost": "", "extended": False,
+                "masters": len(lock.last_votes),
+                "quorum": redlock.quorum,
+                "wrote": False,
+                "lost": "",
+                "extended": False,
             }
             # Not in the run's last TTLs: the other clients stop contending at `until`, and the
             # check that someone took the resource during the pause would fail for that alone.
-            if (config.pausable and config.until - time.monotonic() > PAUSE_MARGIN_TTLS * config.ttl
-                    and register.take_pause_request()):
+            if (
+                config.pausable
+                and config.until - time.monotonic() > PAUSE_MARGIN_TTLS * config.ttl
+                and register.take_pause_request()
+            ):
                 _pause_self(register, config, lock, record)
             try:
                 lock.ensure()
@@ -118,17 +134,25 @@ def run_client(config: ClientConfig) -> None:
                 record["t_released"] = time.monotonic()
                 lock.release()
             register.record(record)
-    register.record({"kind": "summary", "client": config.name, "holds": holds,
-                     "failures": dict(failures)})
+    register.record({"kind": "summary", "client": config.name, "holds": holds, "failures": dict(failures)})
     register.close()
 
 
 def _pause_self(register: Register, config: ClientConfig, lock: Any, record: dict[str, Any]) -> None:
     """SIGSTOP this process while holding, before touching the register; the nemesis resumes it
     once another client has taken the resource. Then report what the lock says."""
-    register.record({"kind": "paused", "client": config.name, "pid": os.getpid(),
-                     "resource": record["resource"], "token": lock.token, "t": time.monotonic(),
-                     "validity_end": record["validity_end"]}, key=EVENTS)
+    register.record(
+        {
+            "kind": "paused",
+            "client": config.name,
+            "pid": os.getpid(),
+            "resource": record["resource"],
+            "token": lock.token,
+            "t": time.monotonic(),
+            "validity_end": record["validity_end"],
+        },
+        key=EVENTS,
+    )
     os.kill(os.getpid(), signal.SIGSTOP)
     owned = lock.owned()
     try:
@@ -136,8 +160,17 @@ def _pause_self(register: Register, config: ClientConfig, lock: Any, record: dic
         raised = ""
     except LockLost as exc:
         raised = f"LockLost: {exc.reason}"
-    register.record({"kind": "resumed", "client": config.name, "token": lock.token,
-                     "t": time.monotonic(), "owned": owned, "ensure_raised": raised}, key=EVENTS)
+    register.record(
+        {
+            "kind": "resumed",
+            "client": config.name,
+            "token": lock.token,
+            "t": time.monotonic(),
+            "owned": owned,
+            "ensure_raised": raised,
+        },
+        key=EVENTS,
+    )
 
 
 if __name__ == "__main__":

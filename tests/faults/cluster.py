@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 
 from celery_redlock.testing import ProxySet, RedisServer
 
@@ -78,8 +77,5 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

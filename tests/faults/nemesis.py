@@ -125,10 +125,14 @@ class Nemesis:
         resource = holder["resource"]
         start_length = self.register.log_length(resource)
         taken = self._wait_for(
-            lambda: self.register.log_length(resource) > start_length or None, 10 * self.ttl)
+            lambda: self.register.log_length(resource) > start_length or None, 10 * self.ttl
+        )
         os.kill(pid, signal.SIGCONT)
-        self.note(what, f"{holder['client']} held {resource}; "
-                  f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT")
+        self.note(
+            what,
+            f"{holder['client']} held {resource}; "
+            f"{'taken by another' if taken else 'NOT taken by another'} before SIGCONT",
+        )
 
     def pause_worker_child(self, victims: Sequence[int] = ()) -> None:
         """SIGSTOP a Celery worker child while its task holds a lock (before the task writes),
@@ -136,7 +140,8 @@ class Nemesis:
         children = {pid for worker in self.workers for pid in worker.child_pids()}
         seen = self.register.count(EVENTS)
         holding = self._wait_for(
-            lambda: self._new_event(seen, "holding", lambda e: e["pid"] in children), 5 * self.ttl)
+            lambda: self._new_event(seen, "holding", lambda e: e["pid"] in children), 5 * self.ttl
+        )
         if holding is None:
             self.note("worker child pause", "no task held a lock in time; skipped")
             return
@@ -147,11 +152,13 @@ class Nemesis:
             os.kill(pid, signal.SIGCONT)
             raise RuntimeError(f"worker child {pid} did not stop")
         self._resume_after_takeover(pid, holding, "worker child pause")
-        self._wait_for(lambda: self._new_event(
-            seen, "checked", lambda e: e["token"] == holding["token"]), 10.0)
+        self._wait_for(
+            lambda: self._new_event(seen, "checked", lambda e: e["token"] == holding["token"]), 10.0
+        )
 
-    def _new_event(self, seen: int, kind: str,
-                   match: Callable[[dict[str, Any]], bool] = lambda e: True) -> dict[str, Any] | None:
+    def _new_event(
+        self, seen: int, kind: str, match: Callable[[dict[str, Any]], bool] = lambda e: True
+    ) -> dict[str, Any] | None:
         for event in self.register.records(EVENTS, seen):
             if event["kind"] == kind and match(event):
                 return event
@@ -168,8 +175,15 @@ class Nemesis:
         return None
 
     # -- the schedule -------------------------------------------------------------------------------
-    def run(self, kinds: Sequence[str], until: float, *, victims: Sequence[int] | None = None,
-            concurrent: bool = False, quiet: tuple[float, float] = (0.3, 1.0)) -> None:
+    def run(
+        self,
+        kinds: Sequence[str],
+        until: float,
+        *,
+        victims: Sequence[int] | None = None,
+        concurrent: bool = False,
+        quiet: tuple[float, float] = (0.3, 1.0),
+    ) -> None:
         """Until ``until``: a quiet spell, then one fault (or, with ``concurrent``, sometimes two
         different ones on two different victims at once)."""
         try:
@@ -177,12 +191,17 @@ class Nemesis:
                 self.stop.wait(self.rng.uniform(*quiet) * self.ttl)
                 if self.stop.is_set() or time.monotonic() > until - 2 * self.ttl:
                     break
-                chosen = list(victims) if victims is not None else self.rng.sample(
-                    range(MASTERS), self.rng.choice([1, 2]))
+                chosen = (
+                    list(victims)
+                    if victims is not None
+                    else self.rng.sample(range(MASTERS), self.rng.choice([1, 2]))
+                )
                 if concurrent and len(chosen) == 2 and len(kinds) > 1 and self.rng.random() < 0.5:
                     first, second = self.rng.sample(list(kinds), 2)
-                    threads = [threading.Thread(target=getattr(self, first), args=([chosen[0]],)),
-                               threading.Thread(target=getattr(self, second), args=([chosen[1]],))]
+                    threads = [
+                        threading.Thread(target=getattr(self, first), args=([chosen[0]],)),
+                        threading.Thread(target=getattr(self, second), args=([chosen[1]],)),
+                    ]
                     for thread in threads:
                         thread.start()
                     for thread in threads:

@@ -18,8 +18,17 @@ from collections.abc import Sequence
 
 from .scenarios import BY_NAME, SCENARIOS, Result, run_scenario
 
-COLUMNS = ("scenario", "expect", "operations", "holds", "overlaps", "lost updates",
-           "max unavailability", "faults", "verdict")
+COLUMNS = (
+    "scenario",
+    "expect",
+    "operations",
+    "holds",
+    "overlaps",
+    "lost updates",
+    "max unavailability",
+    "faults",
+    "verdict",
+)
 
 
 def table(results: Sequence[Result]) -> str:
@@ -29,25 +38,37 @@ def table(results: Sequence[Result]) -> str:
         unavailable = f"{report.max_unavailable:.2f} s"
         if not result.scenario.available:
             unavailable += " *"
-        rows.append((result.scenario.name, result.scenario.expect, str(report.operations),
-                     str(report.holds), str(len(report.overlaps)), str(report.lost_updates),
-                     unavailable, str(sum(result.fault_counts.values())),
-                     "ok" if not result.problems() else "FAILED"))
+        rows.append(
+            (
+                result.scenario.name,
+                result.scenario.expect,
+                str(report.operations),
+                str(report.holds),
+                str(len(report.overlaps)),
+                str(report.lost_updates),
+                unavailable,
+                str(sum(result.fault_counts.values())),
+                "ok" if not result.problems() else "FAILED",
+            )
+        )
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)) + " |",
-             "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
-    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) + " |"
-              for row in rows]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(COLUMNS, widths, strict=True)) + " |",
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
+    lines += ["| " + " | ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) + " |" for row in rows]
     return "\n".join(lines)
 
 
 def details(result: Result) -> str:
     report = result.report
     failures = ", ".join(f"{k} {v}" for k, v in sorted(report.failures.items())) or "none"
-    lines = [f"## {result.scenario.name}: {result.scenario.summary}",
-             f"  failed attempts by reason: {failures}; holds lost before writing: "
-             f"{report.lost_holds}; writes: {report.writes}",
-             f"  faults: {result.fault_counts or 'none'}"]
+    lines = [
+        f"## {result.scenario.name}: {result.scenario.summary}",
+        f"  failed attempts by reason: {failures}; holds lost before writing: "
+        f"{report.lost_holds}; writes: {report.writes}",
+        f"  faults: {result.fault_counts or 'none'}",
+    ]
     for overlap in report.overlaps[:3]:
         lines.append(f"  overlap: {overlap}")
     if result.scenario.limit:
@@ -57,10 +78,17 @@ def details(result: Result) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.faults.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=180.0,
-                        help="total seconds, shared between the scenarios (default 180)")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.faults.run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--duration",
+        type=float,
+        default=180.0,
+        help="total seconds, shared between the scenarios (default 180)",
+    )
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", default="", help="comma-separated scenario names")
     parser.add_argument("--verbose", action="store_true")
@@ -78,8 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.append(result)
         print(details(result), flush=True)
     print()
-    print(f"seed {args.seed}, {each:.0f} s per scenario, {time.monotonic() - started:.0f} s in all; "
-          "* = a majority was not always up, availability not asserted")
+    print(
+        f"seed {args.seed}, {each:.0f} s per scenario, {time.monotonic() - started:.0f} s in all; "
+        "* = a majority was not always up, availability not asserted"
+    )
     print(table(results))
     return 1 if any(r.problems() for r in results) else 0
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from celery_redlock.lock.masters import BACKOFF_CAP
+
 from .celery_workload import CONCURRENCY, celery_workers, produce
 from .checker import Report, check
 from .client import ClientConfig, run_client
@@ -59,48 +61,120 @@ class Scenario:
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("kill-delayed", "kill 1-2 masters, restart empty after 1.5 x TTL",
-             faults=["kill_delayed"]),
-    Scenario("kill-fsync", "kill 1-2 masters, restart at once with appendfsync-always data",
-             cluster=ClusterSpec(persistent=True), faults=["kill_fsync"]),
+    Scenario("kill-delayed", "kill 1-2 masters, restart empty after 1.5 x TTL", faults=["kill_delayed"]),
+    Scenario(
+        "kill-fsync",
+        "kill 1-2 masters, restart at once with appendfsync-always data",
+        cluster=ClusterSpec(persistent=True),
+        faults=["kill_fsync"],
+    ),
     Scenario("pause-master", "SIGSTOP 1-2 masters for 1.5 x TTL", faults=["pause_master"]),
-    Scenario("partition", "2 client groups, each with its own drop/delay/black-hole/cut faults",
-             cluster=ClusterSpec(groups=2), faults=["partition"], threads=2),
-    Scenario("client-pause", "a holder process SIGSTOPs past its TTL, then resumes",
-             faults=["client_pause"], threads=1, processes=3, resources=1, ttl=0.5),
-    Scenario("combined", "all of the above, one or two at once, on a random minority",
-             cluster=ClusterSpec(persistent=True, groups=2),
-             faults=["kill_delayed", "kill_fsync", "pause_master", "partition", "client_pause"],
-             concurrent=True, threads=2),
-    Scenario("clock-bounded", "master 2's clock 0.5% fast (drift_factor 1%), A/B layout",
-             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 1.005}),
-             threads=2, processes=0, resources=1, hold=(0.3, 0.7), abandon=0.4, available=False),
-    Scenario("clock-fast", "master 2's clock 2x fast, A/B layout",
-             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 2.0}),
-             threads=2, processes=0, resources=1, hold=(0.3, 0.7), abandon=0.4,
-             expect="violation", available=False,
-             limit="a master whose clock runs faster than drift_factor allows expires keys early; "
-                   "keep masters on NTP-slewed clocks (never stepped) and drift_factor above "
-                   "the worst rate error"),
-    Scenario("restart-empty", "kill master 2, restart it empty at once, A/B layout",
-             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2), faults=["kill_empty"],
-             victims=[2], threads=2, processes=0, resources=1, ttl=2.0, hold=(0.3, 0.7),
-             abandon=0.0, expect="violation", available=False,
-             limit="a master that restarts without its data forgets the locks it granted; "
-                   "keep a restarted master out for longer than the largest TTL, or run it "
-                   "with appendfsync always"),
-    Scenario("restart-delayed", "as restart-empty, restart after 1.5 x TTL",
-             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2), faults=["kill_delayed"],
-             victims=[2], threads=2, processes=0, resources=1, ttl=2.0, hold=(0.3, 0.7),
-             abandon=0.0, available=False),
-    Scenario("restart-fsync", "as restart-empty, with appendfsync-always data kept",
-             cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, persistent=True),
-             faults=["kill_fsync"], victims=[2], threads=2, processes=0, resources=1, ttl=2.0,
-             hold=(0.3, 0.7), abandon=0.0, available=False),
-    Scenario("celery", "RedlockTask in 2 prefork workers x 2 children: masters killed and "
-             "paused, a worker child SIGSTOPped while holding",
-             faults=["kill_delayed", "pause_master", "pause_worker_child"], celery_workers=2,
-             threads=0, processes=0, hold=(0.3, 0.6)),
+    Scenario(
+        "partition",
+        "2 client groups, each with its own drop/delay/black-hole/cut faults",
+        cluster=ClusterSpec(groups=2),
+        faults=["partition"],
+        threads=2,
+    ),
+    Scenario(
+        "client-pause",
+        "a holder process SIGSTOPs past its TTL, then resumes",
+        faults=["client_pause"],
+        threads=1,
+        processes=3,
+        resources=1,
+        ttl=0.5,
+    ),
+    Scenario(
+        "combined",
+        "all of the above, one or two at once, on a random minority",
+        cluster=ClusterSpec(persistent=True, groups=2),
+        faults=["kill_delayed", "kill_fsync", "pause_master", "partition", "client_pause"],
+        concurrent=True,
+        threads=2,
+    ),
+    Scenario(
+        "clock-bounded",
+        "master 2's clock 0.5% fast (drift_factor 1%), A/B layout",
+        cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 1.005}),
+        threads=2,
+        processes=0,
+        resources=1,
+        hold=(0.3, 0.7),
+        abandon=0.4,
+        available=False,
+    ),
+    Scenario(
+        "clock-fast",
+        "master 2's clock 2x fast, A/B layout",
+        cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, clock_rates={2: 2.0}),
+        threads=2,
+        processes=0,
+        resources=1,
+        hold=(0.3, 0.7),
+        abandon=0.4,
+        expect="violation",
+        available=False,
+        limit="a master whose clock runs faster than drift_factor allows expires keys early; "
+        "keep masters on NTP-slewed clocks (never stepped) and drift_factor above "
+        "the worst rate error",
+    ),
+    Scenario(
+        "restart-empty",
+        "kill master 2, restart it empty at once, A/B layout",
+        cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2),
+        faults=["kill_empty"],
+        victims=[2],
+        threads=2,
+        processes=0,
+        resources=1,
+        ttl=2.0,
+        hold=(0.3, 0.7),
+        abandon=0.0,
+        expect="violation",
+        available=False,
+        limit="a master that restarts without its data forgets the locks it granted; "
+        "keep a restarted master out for longer than the largest TTL, or run it "
+        "with appendfsync always",
+    ),
+    Scenario(
+        "restart-delayed",
+        "as restart-empty, restart after 1.5 x TTL",
+        cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2),
+        faults=["kill_delayed"],
+        victims=[2],
+        threads=2,
+        processes=0,
+        resources=1,
+        ttl=2.0,
+        hold=(0.3, 0.7),
+        abandon=0.0,
+        available=False,
+    ),
+    Scenario(
+        "restart-fsync",
+        "as restart-empty, with appendfsync-always data kept",
+        cluster=ClusterSpec(groups=2, cut_from=SHARED_ONLY_ON_2, persistent=True),
+        faults=["kill_fsync"],
+        victims=[2],
+        threads=2,
+        processes=0,
+        resources=1,
+        ttl=2.0,
+        hold=(0.3, 0.7),
+        abandon=0.0,
+        available=False,
+    ),
+    Scenario(
+        "celery",
+        "RedlockTask in 2 prefork workers x 2 children: masters killed and "
+        "paused, a worker child SIGSTOPped while holding",
+        faults=["kill_delayed", "pause_master", "pause_worker_child"],
+        celery_workers=2,
+        threads=0,
+        processes=0,
+        hold=(0.3, 0.6),
+    ),
 ]
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
 
@@ -128,8 +202,9 @@ class Result:
             found += report.problems()
             bound = availability_bound(scenario)
             if scenario.available and report.max_unavailable > bound:
-                found.append(f"unavailable for {report.max_unavailable:.2f} s > {bound:.2f} s "
-                             "while a majority was up")
+                found.append(
+                    f"unavailable for {report.max_unavailable:.2f} s > {bound:.2f} s while a majority was up"
+                )
         if scenario.faults and not self.fault_counts:
             found.append("no fault was injected")
         found += self._client_pause_problems()
@@ -146,10 +221,17 @@ class Result:
                 found.append(f"{event['client']} was paused and never reported resuming")
                 continue
             if after["owned"] or not after["ensure_raised"].startswith("LockLost"):
-                found.append(f"{event['client']} resumed with owned()={after['owned']}, "
-                             f"ensure() raised {after['ensure_raised'] or 'nothing'}")
-            others = [h for h in self.report_holds if h["resource"] == event["resource"]
-                      and h["client"] != event["client"] and event["t"] < h["t_acquired"] < after["t"]]
+                found.append(
+                    f"{event['client']} resumed with owned()={after['owned']}, "
+                    f"ensure() raised {after['ensure_raised'] or 'nothing'}"
+                )
+            others = [
+                h
+                for h in self.report_holds
+                if h["resource"] == event["resource"]
+                and h["client"] != event["client"]
+                and event["t"] < h["t_acquired"] < after["t"]
+            ]
             if not others:
                 found.append(f"nobody took {event['resource']} while {event['client']} was paused")
         return found
@@ -163,11 +245,11 @@ def _text(value: bytes | str) -> str:
 
 def availability_bound(scenario: Scenario) -> float:
     """A lock abandoned by a crashed (or paused) holder is free again one TTL later; allow one more
-    TTL for rounds that split the votes, and half a second for reconnecting to a master that
-    came back (masters.RECONNECT_INTERVAL). A contended RedlockTask run is not retried at once but
-    republished with a countdown (at most redlock_retry_backoff_max, 0.3 s in celery_app) that a
-    worker's timer then waits out: allow a second more for that path through the broker."""
-    bound = 2 * scenario.ttl + 0.5
+    TTL for rounds that split the votes, and the reconnect backoff's cap plus a connect for a
+    master that came back (masters.BACKOFF_CAP). A contended RedlockTask run is not retried at once
+    but republished with a countdown (at most redlock_retry_backoff_max, 0.3 s in celery_app) that
+    a worker's timer then waits out: allow a second more for that path through the broker."""
+    bound = 2 * scenario.ttl + BACKOFF_CAP + 0.1
     if scenario.celery_workers:
         bound += 0.3 + 1.0
     return bound
@@ -183,8 +265,7 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
     rng = random.Random(f"{seed}:{scenario.name}")
     with Cluster(scenario.cluster) as cluster, contextlib.ExitStack() as stack:
         register = Register(cluster.register.url)
-        nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()),
-                          scenario.ttl)
+        nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()), scenario.ttl)
         stack.callback(nemesis.register.close)
         stack.callback(nemesis.stop.set)
         resources = [f"res{i}" for i in range(scenario.resources)]
@@ -192,30 +273,51 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
         broker = cluster.register.url.rsplit("/", 1)[0] + "/1"
         queue = f"faults-{uuid.uuid4().hex[:8]}"
         if scenario.celery_workers:
-            nemesis.workers = stack.enter_context(celery_workers(
-                scenario.celery_workers, package=__package__, root=_package_root(), broker=broker,
-                register=cluster.register.url, masters=cluster.urls(0), ttl=scenario.ttl,
-                key_prefix=key_prefix, queue=queue))
+            nemesis.workers = stack.enter_context(
+                celery_workers(
+                    scenario.celery_workers,
+                    package=__package__,
+                    root=_package_root(),
+                    broker=broker,
+                    register=cluster.register.url,
+                    masters=cluster.urls(0),
+                    ttl=scenario.ttl,
+                    key_prefix=key_prefix,
+                    queue=queue,
+                )
+            )
         until = time.monotonic() + duration
         configs = []
         for group in range(scenario.cluster.groups):
             for kind, count in (("t", scenario.threads), ("p", scenario.processes)):
                 for i in range(count):
-                    configs.append(ClientConfig(
-                        name=f"g{group}{kind}{i}", masters=cluster.urls(group),
-                        register=cluster.register.url, resources=resources, until=until,
-                        seed=rng.randrange(2**32), ttl=scenario.ttl, hold=scenario.hold,
-                        abandon=scenario.abandon, extend=scenario.extend,
-                        key_prefix=key_prefix, pausable=kind == "p"))
+                    configs.append(
+                        ClientConfig(
+                            name=f"g{group}{kind}{i}",
+                            masters=cluster.urls(group),
+                            register=cluster.register.url,
+                            resources=resources,
+                            until=until,
+                            seed=rng.randrange(2**32),
+                            ttl=scenario.ttl,
+                            hold=scenario.hold,
+                            abandon=scenario.abandon,
+                            extend=scenario.extend,
+                            key_prefix=key_prefix,
+                            pausable=kind == "p",
+                        )
+                    )
         processes: dict[str, subprocess.Popen[bytes]] = {}
         threads: list[threading.Thread] = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(_package_root()), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(_package_root()), os.environ.get("PYTHONPATH", "")])
+        )
         try:
             for config in configs:
                 if config.pausable:
                     processes[config.name] = subprocess.Popen(
-                        [sys.executable, "-m", f"{__package__}.client", config.to_json()], env=env)
+                        [sys.executable, "-m", f"{__package__}.client", config.to_json()], env=env
+                    )
                 else:
                     thread = threading.Thread(target=run_client, args=(config,), name=config.name)
                     thread.start()
@@ -224,13 +326,24 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
             nemesis_thread = None
             if scenario.faults:
                 nemesis_thread = threading.Thread(
-                    target=nemesis.run, args=(scenario.faults, until),
+                    target=nemesis.run,
+                    args=(scenario.faults, until),
                     kwargs={"victims": scenario.victims, "concurrent": scenario.concurrent},
-                    name="nemesis")
+                    name="nemesis",
+                )
                 nemesis_thread.start()
             if scenario.celery_workers:
-                produce(broker, queue, register, resources, scenario.hold, scenario.ttl, until,
-                        rng, outstanding=4 * scenario.celery_workers * CONCURRENCY)
+                produce(
+                    broker,
+                    queue,
+                    register,
+                    resources,
+                    scenario.hold,
+                    scenario.ttl,
+                    until,
+                    rng,
+                    outstanding=4 * scenario.celery_workers * CONCURRENCY,
+                )
             for thread in threads:
                 thread.join(duration + 30)
             for proc in processes.values():
@@ -249,14 +362,20 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
         records = register.records()
         failures = register.client.hgetall(CELERY_FAILURES)
         if failures:
-            records.append({"kind": "summary", "client": "celery",
-                            "failures": {_text(k): int(v) for k, v in failures.items()}})
+            records.append(
+                {
+                    "kind": "summary",
+                    "client": "celery",
+                    "failures": {_text(k): int(v) for k, v in failures.items()},
+                }
+            )
         logs = {r: [value for value, _ in register.log(r)] for r in resources}
         counters = {r: register.read(r) for r in resources}
         events = register.records(EVENTS)
         register.close()
-    result = Result(scenario, duration, seed, check(records, logs, counters), events,
-                    nemesis.log, dict(nemesis.counts))
+    result = Result(
+        scenario, duration, seed, check(records, logs, counters), events, nemesis.log, dict(nemesis.counts)
+    )
     result.report_holds = [r for r in records if r["kind"] == "hold"]
     unfinished = [t.name for t in threads if t.is_alive()]
     if unfinished:

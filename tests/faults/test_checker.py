@@ -4,41 +4,30 @@ from __future__ import annotations
 
 from typing import Any
 
-from .checker import Hold, check, find_overlaps, lost_updates, max_unavailable
+from celery_redlock.testing import find_overlaps
+
+from .checker import Hold, check, lost_updates, max_unavailable
 
 
-def hold(client: str, start: float, validity_end: float, released: float | None = None, *,
-         resource: str = "r", yes: int = 3, token: str = "") -> Hold:
-    return Hold(client, resource, token or f"{client}@{start}", start, validity_end, released,
-                yes, 3)
-
-
-def test_holds_one_after_another_do_not_overlap() -> None:
-    holds = [hold("a", 0.0, 1.0, 0.4), hold("b", 0.4, 1.4, 0.9), hold("c", 1.0, 2.0, None)]
-    assert find_overlaps(holds) == []
-
-
-def test_a_hold_inside_anothers_window_is_an_overlap() -> None:
-    first, second = hold("a", 0.0, 1.0, 0.5), hold("b", 0.45, 1.45, 0.9)
-    [overlap] = find_overlaps([second, first])
-    assert (overlap.first, overlap.second) == (first, second)
-    assert abs(overlap.seconds - 0.05) < 1e-9
+def hold(
+    client: str,
+    start: float,
+    validity_end: float,
+    released: float | None = None,
+    *,
+    resource: str = "r",
+    yes: int = 3,
+    token: str = "",
+) -> Hold:
+    return Hold(client, resource, token or f"{client}@{start}", start, validity_end, released, yes, 3)
 
 
 def test_an_abandoned_hold_lasts_until_its_validity_ends() -> None:
     # Never released: the window is the validity, so a successor before it ends overlaps.
-    assert find_overlaps([hold("a", 0.0, 1.0), hold("b", 0.99, 2.0, 1.5)])
-    assert not find_overlaps([hold("a", 0.0, 1.0), hold("b", 1.0, 2.0, 1.5)])
-
-
-def test_a_long_window_is_compared_with_every_later_hold() -> None:
-    # b and c both start inside a's window, though b ends before c starts.
-    holds = [hold("a", 0.0, 3.0), hold("b", 1.0, 2.0, 1.2), hold("c", 1.5, 2.5, 1.8)]
-    assert [o.second.client for o in find_overlaps(holds)] == ["b", "c"]
-
-
-def test_resources_are_checked_separately() -> None:
-    assert not find_overlaps([hold("a", 0.0, 1.0, resource="x"), hold("b", 0.5, 1.5, resource="y")])
+    assert find_overlaps([hold("a", 0.0, 1.0).window(), hold("b", 0.99, 2.0, 1.5).window()])
+    assert not find_overlaps([hold("a", 0.0, 1.0).window(), hold("b", 1.0, 2.0, 1.5).window()])
+    # Released early: the window ends at the release, not at the validity.
+    assert not find_overlaps([hold("a", 0.0, 1.0, 0.5).window(), hold("b", 0.5, 1.5).window()])
 
 
 def test_lost_updates_are_counted_from_the_log_and_the_final_value() -> None:
@@ -54,17 +43,30 @@ def test_max_unavailability_is_the_longest_gap_between_windows() -> None:
 
 def test_check_reports_everything_from_records() -> None:
     def record(h: Hold) -> dict[str, Any]:
-        return {"kind": "hold", "client": h.client, "resource": h.resource, "token": h.token,
-                "t_acquired": h.t_acquired, "validity_end": h.validity_end,
-                "t_released": h.t_released, "yes": h.yes, "quorum": h.quorum, "wrote": True,
-                "lost": ""}
+        return {
+            "kind": "hold",
+            "client": h.client,
+            "resource": h.resource,
+            "token": h.token,
+            "t_acquired": h.t_acquired,
+            "validity_end": h.validity_end,
+            "t_released": h.t_released,
+            "yes": h.yes,
+            "quorum": h.quorum,
+            "wrote": True,
+            "lost": "",
+        }
 
-    records = [record(hold("a", 0.0, 1.0, 0.5)), record(hold("b", 0.4, 1.4, 0.8, yes=2)),
-               {"kind": "summary", "client": "a", "holds": 1, "failures": {"contended": 4}},
-               {"kind": "summary", "client": "b", "holds": 1, "failures": {"unreachable": 1}}]
+    records = [
+        record(hold("a", 0.0, 1.0, 0.5)),
+        record(hold("b", 0.4, 1.4, 0.8, yes=2)),
+        {"kind": "summary", "client": "a", "holds": 1, "failures": {"contended": 4}},
+        {"kind": "summary", "client": "b", "holds": 1, "failures": {"unreachable": 1}},
+    ]
     report = check(records, {"r": [1, 1]}, {"r": 1})
     assert report.holds == 2 and report.operations == 7
     assert len(report.overlaps) == 1 and report.lost_updates == 1
+    assert str(report.overlaps[0]) == "r: b acquired 100.0 ms before the window of a ended"
     assert [h.client for h in report.without_quorum] == ["b"]
     assert report.failures == {"contended": 4, "unreachable": 1}
     assert len(report.problems()) == 3

@@ -26,8 +26,13 @@ def proxy(server: RedisServer) -> Iterator[Proxy]:
 
 
 def client(proxy: Proxy, timeout: float = 1.0) -> redis.Redis:
-    return redis.Redis(host="127.0.0.1", port=proxy.port, socket_timeout=timeout,
-                       socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+    return redis.Redis(
+        host="127.0.0.1",
+        port=proxy.port,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        retry=Retry(NoBackoff(), 0),
+    )
 
 
 def timed(action: object) -> float:

@@ -35,8 +35,7 @@ class _Nothing:
 NOTHING: Final = _Nothing()
 
 # Nearly every reply a lock command gets is one of these whole lines (OK, 1, 0, nil).
-_SHORT_REPLIES: Final[dict[bytes, Any]] = {b"+OK\r\n": b"OK", b":1\r\n": 1, b":0\r\n": 0,
-                                          b"$-1\r\n": None}
+_SHORT_REPLIES: Final[dict[bytes, Any]] = {b"+OK\r\n": b"OK", b":1\r\n": 1, b":0\r\n": 0, b"$-1\r\n": None}
 
 
 def _short_runs(longest: int) -> dict[bytes, tuple[int, Any]]:
@@ -125,7 +124,7 @@ class Reader:
             self._buffer = data
             self._position = 0
         elif self._position:
-            self._buffer = self._buffer[self._position:] + data
+            self._buffer = self._buffer[self._position :] + data
             self._position = 0
         else:
             self._buffer += data
@@ -154,8 +153,8 @@ class Reader:
         line_end = buffer.find(b"\r\n", start)
         if line_end < 0:
             return None, -1
-        kind = buffer[start:start + 1]
-        line = buffer[start + 1:line_end]
+        kind = buffer[start : start + 1]
+        line = buffer[start + 1 : line_end]
         after = line_end + 2
         try:
             if kind == b"+":
@@ -170,7 +169,7 @@ class Reader:
                     return None, after
                 if len(buffer) < after + size + 2:
                     return None, -1
-                return buffer[after:after + size], after + size + 2
+                return buffer[after : after + size], after + size + 2
             if kind == b"*":
                 count = int(line)
                 if count < 0:
@@ -184,4 +183,4 @@ class Reader:
                 return items, after
         except ValueError:
             pass
-        raise ProtocolError(f"unexpected reply from a master: {buffer[start:line_end + 2]!r}")
+        raise ProtocolError(f"unexpected reply from a master: {buffer[start : line_end + 2]!r}")

@@ -21,54 +21,40 @@ this process's next command to the masters; the retry, revoke and shutdown ones 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from celery import Task
+from celery import signals as celery_signals
 from celery.exceptions import Ignore, Retry
 from celery.states import IGNORED, SUCCESS
 
+from .._validate import choice, count, flag, number
+from ..errors import ConfigError, LockNotAcquired, NotLocked
+from ..lock.heartbeat import process_heartbeat
+from ..lock.redlock import Lock
+from . import held as registry
 from . import hooks, signals
-from .errors import ConfigError, LockNotAcquired
-from .heartbeat import process_heartbeat
+from .held import Held
 from .keys import KeySpec, LockKey, compile_lock_key
-from .redlock import Lock
 from .settings import (
     CONTENDED_POLICIES,
     RELEASE_POLICIES,
     RedlockSettings,
     app_redlock,
-    choice,
-    count_or_none,
-    positive,
+    read_settings,
 )
 from .slots import PUBLISHED_HEADER, SLOT_SEPARATOR, slot_name
 
 logger = logging.getLogger("celery_redlock.task")
 
 ATTEMPT_HEADER = "redlock_attempt"
-hooks.connect()  # idempotent; makes the release and publish hooks part of defining a task
 _REQUEST_ATTR = "_redlock_held"
-
-
-@dataclass
-class Held:
-    """The lock one execution holds, and when it got it."""
-
-    lock: Lock
-    task_id: str
-    acquired_at: float
-    expire: bool
-    finished: bool = False
-
-    @property
-    def held_for(self) -> float:
-        return time.monotonic() - self.acquired_at
 
 
 @dataclass(frozen=True)
@@ -85,53 +71,6 @@ class LockOptions:
     max_hold: float | None
     release: str
     slot: Any
-
-
-# Every lock held by an execution in this process: released at worker (process) shutdown and on
-# revoke-with-terminate, when no after_return will run.
-_held: dict[str, Held] = {}
-_held_mutex = threading.Lock()
-
-
-def held_locks() -> list[Held]:
-    with _held_mutex:
-        return list(_held.values())
-
-
-def release_all(reason: str) -> int:
-    """Release every lock held in this process (a shutting-down worker); how many there were."""
-    with _held_mutex:
-        entries = list(_held.values())
-        _held.clear()
-    for entry in entries:
-        process_heartbeat().forget(entry.lock)
-        try:
-            entry.lock.release(linger=False)
-        except Exception:  # one unreachable quorum must not keep the others held
-            logger.exception("releasing %s at %s failed", entry.lock.name, reason)
-        else:
-            logger.warning("released lock %s of task %s: %s", entry.lock.name, entry.task_id, reason)
-    return len(entries)
-
-
-def release_task(task_id: str, reason: str) -> bool:
-    """Release the lock held in this process by execution ``task_id``, if any."""
-    with _held_mutex:
-        entry = _held.pop(task_id, None)
-    if entry is None:
-        return False
-    process_heartbeat().forget(entry.lock)
-    entry.lock.release(linger=False)
-    logger.warning("released lock %s of task %s: %s", entry.lock.name, task_id, reason)
-    return True
-
-
-def finish_after_run(task: Any, task_id: str | None, state: str) -> None:
-    """``task_postrun``: release what ``after_return`` did not (an ignored, rejected or
-    terminated run). Every task of the process ends here, locked or not, and after_return has
-    nearly always released already: a look in the registry is all that costs."""
-    if task_id is not None and task_id in _held and isinstance(task, RedlockTaskMixin):
-        task._redlock_finish(state)
 
 
 def _resolve_run(cls: type) -> tuple[Callable[..., Any] | None, bool]:
@@ -168,6 +107,7 @@ class RedlockTaskMixin:
 
     _redlock_key: LockKey | None = None
     _redlock_options: tuple[int, LockOptions] | None = None
+    _redlock_unstamped_logged = False
 
     # Provided by celery.Task; declared for the type checker.
     name: str
@@ -181,6 +121,7 @@ class RedlockTaskMixin:
         func, bound = _resolve_run(cls)
         if func is None:
             return  # an abstract base: nothing to bind against yet
+        _connect_hooks()
         task_name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
         cls._redlock_key = compile_lock_key(cls.lock_key, func, task_name, bound=bound)
         cls._redlock_options = None
@@ -188,10 +129,18 @@ class RedlockTaskMixin:
 
     # -- the current execution's lock -------------------------------------------------------------
     @property
-    def redlock(self) -> Lock | None:
-        """The lock the current execution holds (or held), else None."""
-        held: Held | None = getattr(self.request, _REQUEST_ATTR, None)
-        return held.lock if held is not None else None
+    def redlock(self) -> Lock:
+        """The lock the current execution holds (or held, once it has ended).
+
+        Raises :class:`NotLocked` outside a locked run, saying why: a direct call ``charge(42)``
+        is the plain function, as everywhere in Celery, and takes no lock; reading ``None`` here
+        instead let ``self.redlock.ensure()`` fail as an AttributeError.
+        """
+        request = self.request
+        held: Held | None = getattr(request, _REQUEST_ATTR, None)
+        if held is None:
+            raise NotLocked(_not_locked_why(self, request))
+        return held.lock
 
     def lock_name(self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None) -> str:
         """The resource name a call with these arguments locks (without the slot)."""
@@ -217,8 +166,15 @@ class RedlockTaskMixin:
             parent(task_id, args, kwargs)
         self._redlock_acquire(task_id, args, kwargs)
 
-    def after_return(self, status: str, retval: Any, task_id: str, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], einfo: Any) -> None:
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: Any,
+    ) -> None:
         try:
             self._redlock_finish(status)
         finally:
@@ -250,28 +206,30 @@ class RedlockTaskMixin:
         if options.slot is not None:
             published = _header(request, PUBLISHED_HEADER)
             if published is None:
-                raise ConfigError(
-                    f"task {self.name!r}: lock_slot needs the {PUBLISHED_HEADER!r} message header, "
-                    "added at publish time by celery_redlock.hooks (import celery_redlock in the "
-                    "publishing process)"
-                )
+                published = self._redlock_unstamped_time(request)
             name = f"{name}{SLOT_SEPARATOR}{slot_name(options.slot, float(published))}"
         lock = redlock.lock(name, options.ttl)
         started = time.monotonic()
         if lock.acquire(blocking=False):
             held = Held(lock, task_id, time.monotonic(), options.release == "on_expiry")
             setattr(request, _REQUEST_ATTR, held)
-            with _held_mutex:
-                _held[task_id] = held
+            registry.register(held)
             if options.heartbeat:
                 process_heartbeat().keep(
-                    lock, interval=options.heartbeat_interval, max_hold=options.max_hold,
+                    lock,
+                    interval=options.heartbeat_interval,
+                    max_hold=options.max_hold,
                     on_lost=self._redlock_on_lost(task_id, held),
                 )
             if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens
                 signals.lock_acquired.send(
-                    sender=self, key=name, task_id=task_id, token=lock.token, ttl=lock.ttl,
-                    validity=lock.validity, elapsed=held.acquired_at - started,
+                    sender=self,
+                    key=name,
+                    task_id=task_id,
+                    token=lock.token,
+                    ttl=lock.ttl,
+                    validity=lock.validity,
+                    elapsed=held.acquired_at - started,
                 )
             logger.debug("task %s[%s] acquired %s", self.name, task_id, name)
             return
@@ -279,8 +237,37 @@ class RedlockTaskMixin:
         assert error is not None
         self._redlock_contended(task_id, name, options, error)
 
-    def _redlock_contended(self, task_id: str, name: str, options: LockOptions,
-                           error: LockNotAcquired) -> None:
+    def _redlock_unstamped_time(self, request: Any) -> float:
+        """The time that places a message without our publish stamp in its ``lock_slot``.
+
+        A publisher that does not run celery_redlock's hooks (a ``send_task`` from another
+        codebase) sends no ``redlock_published`` header, and a Celery message carries no send time
+        of its own. Its ``eta``, when it has one, is the same in every copy of the message and
+        names the moment it was meant for; otherwise the worker's clock as the run starts, which
+        puts a run that waited in the queue past half a period (or a copy redelivered that late)
+        in a later slot than its publish. The time is kept on the request as if it had been
+        stamped, so a lock retry re-publishes it and the retried run stays in the same slot.
+        """
+        at = _eta_timestamp(getattr(request, "eta", None))
+        source = "its eta"
+        if at is None:
+            at, source = time.time(), "this worker's clock at the start of the run"
+        setattr(request, PUBLISHED_HEADER, at)  # read back by _header, carried by _redlock_retry
+        cls = type(self)
+        if not cls._redlock_unstamped_logged:  # once per task and process: a foreign publisher
+            cls._redlock_unstamped_logged = True  # sends every message this way
+            logger.info(
+                "task %s: a message without the %s header (its publisher does not run "
+                "celery_redlock); lock_slot places it by %s (logged once per task and process)",
+                self.name,
+                PUBLISHED_HEADER,
+                source,
+            )
+        return at
+
+    def _redlock_contended(
+        self, task_id: str, name: str, options: LockOptions, error: LockNotAcquired
+    ) -> None:
         attempt = int(_header(self.request, ATTEMPT_HEADER) or 0)
         why = "held by another run" if error.held_by_other else "no quorum of masters answered"
         policy = options.contended
@@ -288,27 +275,54 @@ class RedlockTaskMixin:
             policy = "exhausted"
         countdown = 0.0
         if policy == "retry":
-            ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0 ** attempt)
+            ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0**attempt)
             countdown = random.uniform(0.0, ceiling)
-        signals.lock_contended.send(sender=self, key=name, task_id=task_id, policy=policy,
-                                    attempt=attempt, countdown=countdown, error=error)
+        signals.lock_contended.send(
+            sender=self,
+            key=name,
+            task_id=task_id,
+            policy=policy,
+            attempt=attempt,
+            countdown=countdown,
+            error=error,
+        )
         if policy == "retry":
-            logger.info("task %s[%s]: lock %s %s; retry %d in %.2f s", self.name, task_id, name,
-                        why, attempt + 1, countdown)
+            logger.info(
+                "task %s[%s]: lock %s %s; retry %d in %.2f s",
+                self.name,
+                task_id,
+                name,
+                why,
+                attempt + 1,
+                countdown,
+            )
             raise self._redlock_retry(attempt + 1, countdown, error)
         if policy == "skip":
             logger.warning("task %s[%s] skipped: lock %s %s", self.name, task_id, name, why)
             self.backend.store_result(  # type: ignore[attr-defined]
-                task_id, {"skipped": "lock contended", "key": name, "reason": why,
-                          "votes": [v.as_dict() for v in error.votes]},
-                IGNORED, request=self.request,
+                task_id,
+                {
+                    "skipped": "lock contended",
+                    "key": name,
+                    "reason": why,
+                    "votes": [v.as_dict() for v in error.votes],
+                },
+                IGNORED,
+                request=self.request,
             )
             raise Ignore(f"lock {name} {why}")
         if policy == "exhausted":
-            logger.error("task %s[%s] failed: lock %s %s after %d lock retries", self.name, task_id,
-                         name, why, attempt)
-            raise LockNotAcquired(name, error.votes, attempts=attempt + 1, elapsed=error.elapsed,
-                                  validity=error.validity, quorum=error.quorum)
+            logger.error(
+                "task %s[%s] failed: lock %s %s after %d lock retries", self.name, task_id, name, why, attempt
+            )
+            raise LockNotAcquired(
+                name,
+                error.votes,
+                attempts=attempt + 1,
+                elapsed=error.elapsed,
+                validity=error.validity,
+                quorum=error.quorum,
+            )
         logger.warning("task %s[%s] failed: lock %s %s", self.name, task_id, name, why)
         raise error
 
@@ -321,17 +335,29 @@ class RedlockTaskMixin:
         if published is not None:
             headers[PUBLISHED_HEADER] = published  # the slot is the original publish's
         sig = self.signature_from_request(  # type: ignore[attr-defined]
-            request, None, None, countdown=countdown, retries=request.retries, headers=headers,
+            request,
+            None,
+            None,
+            countdown=countdown,
+            retries=request.retries,
+            headers=headers,
         )
         sig.apply_async()
         return Retry(f"lock contended (attempt {attempt})", exc=error, when=countdown, sig=sig)
 
     def _redlock_on_lost(self, task_id: str, held: Held) -> Callable[[Lock, str], None]:
         def on_lost(lock: Lock, reason: str) -> None:
-            logger.error("task %s[%s]: lock %s lost after %.1f s: %s", self.name, task_id,
-                         lock.name, held.held_for, reason)
-            signals.lock_lost.send(sender=self, key=lock.name, task_id=task_id, reason=reason,
-                                   held_for=held.held_for)
+            logger.error(
+                "task %s[%s]: lock %s lost after %.1f s: %s",
+                self.name,
+                task_id,
+                lock.name,
+                held.held_for,
+                reason,
+            )
+            signals.lock_lost.send(
+                sender=self, key=lock.name, task_id=task_id, reason=reason, held_for=held.held_for
+            )
 
         return on_lost
 
@@ -346,24 +372,64 @@ class RedlockTaskMixin:
         if held is None or held.finished:
             return
         held.finished = True
-        with _held_mutex:
-            if _held.get(held.task_id) is held:
-                del _held[held.task_id]
+        registry.unregister(held)
         process_heartbeat().forget(held.lock)
         expire = held.expire and state == SUCCESS
         if not expire:
             held.lock.release(linger=linger)
         if signals.lock_released.receivers:
-            signals.lock_released.send(sender=self, key=held.lock.name, task_id=held.task_id,
-                                       held_for=held.held_for, state=state, expire=expire)
-        logger.debug("task %s[%s] %s %s", self.name, held.task_id,
-                     "left to expire" if expire else "released", held.lock.name)
+            signals.lock_released.send(
+                sender=self,
+                key=held.lock.name,
+                task_id=held.task_id,
+                held_for=held.held_for,
+                state=state,
+                expire=expire,
+            )
+        logger.debug(
+            "task %s[%s] %s %s",
+            self.name,
+            held.task_id,
+            "left to expire" if expire else "released",
+            held.lock.name,
+        )
 
 
 class RedlockTask(RedlockTaskMixin, Task):  # type: ignore[misc]
     """A Celery task locked per resource with Redlock; use as ``@app.task(base=RedlockTask, ...)``."""
 
     abstract = True
+
+
+def _not_locked_why(task: RedlockTaskMixin, request: Any) -> str:
+    how = (
+        "send it to a worker with .delay() or .apply_async(), or run it locked in this process with .apply()"
+    )
+    if getattr(request, "called_directly", True):
+        if getattr(request, "args", None) is None:  # no call in progress at all
+            return f"task {task.name!r} holds no lock outside a run; self.redlock is the lock of a run: {how}"
+        return (
+            f"task {task.name!r} was called directly, which runs the plain function in this process "
+            f"with no lock (Celery's convention for calling a task object); to hold the lock, {how}"
+        )
+    return (
+        f"task {task.name!r} run {request.id} holds no lock yet: self.redlock is set in "
+        "before_start, when the lock is taken"
+    )
+
+
+def _eta_timestamp(eta: Any) -> float | None:
+    """A message's eta (an ISO 8601 text on the wire, a datetime in some requests) in seconds
+    since the epoch; a naive one is read as UTC, as Celery sends it with ``enable_utc``."""
+    if isinstance(eta, str):
+        try:
+            eta = dt.datetime.fromisoformat(eta)
+        except ValueError:
+            return None
+    if not isinstance(eta, dt.datetime):
+        return None
+    when: dt.datetime = eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
+    return when.timestamp()
 
 
 def _header(request: Any, name: str) -> Any:
@@ -379,18 +445,19 @@ def _check_static_options(cls: type[RedlockTaskMixin], task_name: str) -> None:
     def name(option: str) -> str:
         return f"task {task_name!r}: {option}"
 
-    if cls.lock_ttl is not None:
-        positive(name("lock_ttl"), cls.lock_ttl)
+    # None means: the app's setting (or, for lock_max_hold, the task's time limit).
+    for option in ("lock_ttl", "lock_heartbeat_interval", "lock_max_hold"):
+        if getattr(cls, option) is not None:
+            number(name(option), getattr(cls, option), above=0, unit="seconds")
+    for option in ("lock_retry_backoff", "lock_retry_backoff_max"):
+        if getattr(cls, option) is not None:
+            number(name(option), getattr(cls, option), at_least=0, unit="seconds")
+    if cls.lock_max_retries is not None:
+        count(name("lock_max_retries"), cls.lock_max_retries)
     if cls.lock_contended is not None:
         choice(name("lock_contended"), cls.lock_contended, CONTENDED_POLICIES)
-    for option in ("lock_retry_backoff", "lock_retry_backoff_max"):
-        positive(name(option), getattr(cls, option), allow_none=True, allow_zero=True)
-    count_or_none(name("lock_max_retries"), cls.lock_max_retries)
-    positive(name("lock_heartbeat_interval"), cls.lock_heartbeat_interval, allow_none=True)
-    positive(name("lock_max_hold"), cls.lock_max_hold, allow_none=True)
     choice(name("lock_release"), cls.lock_release, RELEASE_POLICIES)
-    if not isinstance(cls.lock_heartbeat, bool):
-        raise ConfigError(f"{name('lock_heartbeat')} must be True or False, got {cls.lock_heartbeat!r}")
+    flag(name("lock_heartbeat"), cls.lock_heartbeat)
     if cls.lock_slot not in (None, True):
         from .slots import slot_time
 
@@ -404,8 +471,10 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
     ttl = task.lock_ttl if task.lock_ttl is not None else settings.ttl
     interval = task.lock_heartbeat_interval or settings.heartbeat_interval
     if interval is not None and interval >= ttl:
-        raise ConfigError(f"task {task.name!r}: heartbeat interval {interval} s must be shorter than "
-                          f"the lock TTL {ttl} s, or every lock expires between two beats")
+        raise ConfigError(
+            f"task {task.name!r}: heartbeat interval {interval} s must be shorter than "
+            f"the lock TTL {ttl} s, or every lock expires between two beats"
+        )
     max_hold = task.lock_max_hold
     if max_hold is None:
         limit = task.time_limit or task.app.conf.task_time_limit
@@ -416,12 +485,15 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
     return LockOptions(
         ttl=float(ttl),
         contended=task.lock_contended or settings.contended,
-        retry_backoff=(task.lock_retry_backoff if task.lock_retry_backoff is not None
-                       else settings.retry_backoff),
-        retry_backoff_max=(task.lock_retry_backoff_max if task.lock_retry_backoff_max is not None
-                           else settings.retry_backoff_max),
-        max_retries=(task.lock_max_retries if task.lock_max_retries is not None
-                     else settings.max_retries),
+        retry_backoff=(
+            task.lock_retry_backoff if task.lock_retry_backoff is not None else settings.retry_backoff
+        ),
+        retry_backoff_max=(
+            task.lock_retry_backoff_max
+            if task.lock_retry_backoff_max is not None
+            else settings.retry_backoff_max
+        ),
+        max_retries=(task.lock_max_retries if task.lock_max_retries is not None else settings.max_retries),
         heartbeat=task.lock_heartbeat,
         heartbeat_interval=interval,
         max_hold=max_hold,
@@ -432,7 +504,8 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
 
 def _beat_schedule_of(task: RedlockTaskMixin) -> Any:
     entries = [
-        entry.get("schedule") for entry in (task.app.conf.beat_schedule or {}).values()
+        entry.get("schedule")
+        for entry in (task.app.conf.beat_schedule or {}).values()
         if entry.get("task") == task.name
     ]
     schedules = {repr(s): s for s in entries}
@@ -444,3 +517,57 @@ def _beat_schedule_of(task: RedlockTaskMixin) -> Any:
             "schedule itself (seconds, timedelta or crontab)"
         )
     return next(iter(schedules.values()))
+
+
+def startup_checks(sender: Any = None, **_: Any) -> None:
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    for message in check_app(app):
+        logger.warning("%s", message)
+
+
+def check_app(app: Any) -> list[str]:
+    """The start-up warnings for ``app``: what works, but weakens or defeats the locks."""
+    locked = [t for t in app.tasks.values() if isinstance(t, RedlockTaskMixin)]
+    if not locked:
+        return []
+    try:
+        settings = read_settings(app.conf)
+    except ConfigError as exc:
+        return [f"{len(locked)} locked task(s) will fail: {exc}"]
+    problems = []
+    if len(settings.masters) % 2 == 0:
+        problems.append(
+            f"redlock_masters: {len(settings.masters)} masters is even; a quorum of "
+            f"{len(settings.masters) // 2 + 1} tolerates no more failures than "
+            f"{len(settings.masters) - 1} would"
+        )
+    broker = str(app.conf.broker_url or "")
+    visibility = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
+    for task in locked:
+        try:
+            options = task.lock_options(settings)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
+        if not options.heartbeat:
+            problems.append(
+                f"task {task.name!r}: lock_heartbeat is off, so its lock lasts lock_ttl "
+                f"{options.ttl} s; a run longer than that is no longer exclusive"
+            )
+        acks_late = task.acks_late if task.acks_late is not None else app.conf.task_acks_late
+        if acks_late and broker.startswith(("redis://", "rediss://", "redis+socket://")):
+            longest = max(options.ttl, float(task.time_limit or app.conf.task_time_limit or 0))
+            if visibility < longest:
+                problems.append(
+                    f"task {task.name!r}: acks_late with a Redis broker whose visibility_timeout "
+                    f"({visibility} s) is shorter than its lock TTL or time limit ({longest} s): "
+                    "the broker redelivers a running task, and the copy waits on the lock"
+                )
+    return problems
+
+
+def _connect_hooks() -> None:
+    """The worker and publish hooks, connected once a locked task is defined."""
+    hooks.connect((celery_signals.worker_init, startup_checks))

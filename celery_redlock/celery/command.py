@@ -13,9 +13,9 @@ from typing import Any
 
 import click
 
+from ..errors import ConfigError
+from ..lock.redlock import lock_key
 from .beat import BeatSettings, leader_redlock, read_leader
-from .errors import ConfigError
-from .redlock import lock_key
 
 
 @click.group(name="redlock")
@@ -45,6 +45,8 @@ def leader(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"no beat leader: no quorum of masters names one for {key}")
     else:
         since = dt.datetime.fromtimestamp(float(record["since"]), tz=dt.timezone.utc)
-        click.echo(f"beat leader for {key}: {record['hostname']} pid {record['pid']}, "
-                   f"since {since.isoformat(timespec='seconds')} (lock ttl {record['ttl']:g}s)")
+        click.echo(
+            f"beat leader for {key}: {record['hostname']} pid {record['pid']}, "
+            f"since {since.isoformat(timespec='seconds')} (lock ttl {record['ttl']:g}s)"
+        )
     ctx.exit(0 if record is not None else 1)

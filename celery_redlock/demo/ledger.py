@@ -1,9 +1,10 @@
-"""The demo's ledger: what each worker process saw, and the checker that reads it.
+"""The demo's ledger: what each worker process saw, summed up for the demo's table.
 
 Every worker process appends one JSON line per event to a file of its own in a shared directory
 (one writer per file, so lines never interleave). The demo reads those files while the burst runs
 (progress) and after it (the table). Times are ``time.monotonic()``, which on one machine is the
-same clock in every process, so holds by different processes can be compared for overlap.
+same clock in every process, so holds by different processes can be compared for overlap (by
+the check the test suites use too, ``celery_redlock.testing.overlap``).
 
 Events:
 
@@ -17,10 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from ..testing.overlap import Hold, find_overlaps
 
 FINAL_SUCCESS = "SUCCESS"
 FAILURE = "FAILURE"
@@ -38,8 +41,7 @@ class LedgerWriter:
     def write(self, event: str, **fields: Any) -> None:
         pid = os.getpid()
         if pid != self._pid:
-            self._fd = os.open(self.directory / f"{pid}.jsonl",
-                               os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            self._fd = os.open(self.directory / f"{pid}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             self._pid = pid
         line = json.dumps({"event": event, "pid": pid, **fields}, separators=(",", ":")) + "\n"
         # One write() per line with O_APPEND: a reader sees whole lines or nothing of one.
@@ -56,6 +58,11 @@ class Run:
     end: float
     pid: int
     acquire: float
+
+    def hold(self) -> Hold:
+        """The run's window for the overlap check; the run rides along so an overlap leads back
+        to its pids."""
+        return Hold(self.resource, self.start, self.end, owner=self.task_id, info=self)
 
 
 @dataclass
@@ -84,8 +91,16 @@ class LedgerReader:
     def _take(self, record: dict[str, Any]) -> None:
         event = record["event"]
         if event == "run":
-            self.runs.append(Run(record["task_id"], record["resource"], record["start"],
-                                 record["end"], record["pid"], record["acquire"]))
+            self.runs.append(
+                Run(
+                    record["task_id"],
+                    record["resource"],
+                    record["start"],
+                    record["end"],
+                    record["pid"],
+                    record["acquire"],
+                )
+            )
         elif event == "retry":
             self.retried.add(record["task_id"])
         elif event == "done" and record["state"] not in NOT_FINAL:
@@ -94,23 +109,6 @@ class LedgerReader:
     @property
     def finished(self) -> int:
         return len(self.final)
-
-
-def find_overlaps(runs: Iterable[Run]) -> list[tuple[Run, Run]]:
-    """Pairs of runs on the same resource whose holds intersect in time."""
-    by_resource: dict[str, list[Run]] = {}
-    for run in runs:
-        by_resource.setdefault(run.resource, []).append(run)
-    overlaps = []
-    for held in by_resource.values():
-        held.sort(key=lambda r: r.start)
-        latest = held[0]
-        for run in held[1:]:
-            if run.start < latest.end:
-                overlaps.append((latest, run))
-            if run.end > latest.end:
-                latest = run
-    return overlaps
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -145,8 +143,7 @@ def summarize(reader: LedgerReader, submitted: int) -> Summary:
     ran_ids = {run.task_id for run in reader.runs}
     failed = sum(1 for state in reader.final.values() if state == FAILURE)
     # A duplicate that ended without a body and without failing was skipped by the lock policy.
-    skipped = sum(1 for task_id, state in reader.final.items()
-                  if task_id not in ran_ids and state != FAILURE)
+    skipped = sum(1 for task_id, state in reader.final.items() if task_id not in ran_ids and state != FAILURE)
     acquire = [run.acquire for run in reader.runs]
     return Summary(
         submitted=submitted,
@@ -155,7 +152,8 @@ def summarize(reader: LedgerReader, submitted: int) -> Summary:
         waited=len(reader.retried),
         skipped=skipped,
         failed=failed,
-        overlaps=find_overlaps(reader.runs),
+        # As runs, not windows: the demo prints the pids of each overlapping pair.
+        overlaps=[(o.first.info, o.second.info) for o in find_overlaps(r.hold() for r in reader.runs)],
         acquire_p50=percentile(acquire, 0.50),
         acquire_p99=percentile(acquire, 0.99),
     )

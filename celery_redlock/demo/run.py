@@ -28,9 +28,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .demo_ledger import LedgerReader, Summary, summarize
-from .testing.celery import CeleryWorker
-from .testing.servers import RedisServer, ServerSet
+from ..testing.celery import CeleryWorker
+from ..testing.servers import RedisServer, ServerSet
+from .ledger import LedgerReader, Summary, summarize
 
 POLL = 0.1
 EXIT_INTERRUPTED = 130
@@ -144,8 +144,14 @@ def run_demo(options: DemoOptions, console: Console) -> int:
         }
         os.environ.update(env)  # the producer below imports the same app module
         workers = [
-            CeleryWorker("celery_redlock.demo_tasks", concurrency=options.concurrency, env=env,
-                         log_dir=ledger_dir / "logs", cwd=ledger_dir, name=f"worker{n + 1}")
+            CeleryWorker(
+                "celery_redlock.demo.tasks",
+                concurrency=options.concurrency,
+                env=env,
+                log_dir=ledger_dir / "logs",
+                cwd=ledger_dir,
+                name=f"worker{n + 1}",
+            )
             for n in range(options.workers)
         ]
         for worker in workers:
@@ -156,7 +162,7 @@ def run_demo(options: DemoOptions, console: Console) -> int:
             worker.wait_ready()
         console.print(f"{len(workers)} workers ready (prefork, concurrency {options.concurrency})")
 
-        from . import demo_tasks
+        from . import tasks as demo_tasks
 
         ids = burst(options.tasks, options.invoices, rng)
         reader = LedgerReader(ledger_dir)
@@ -168,8 +174,14 @@ def run_demo(options: DemoOptions, console: Console) -> int:
         console.print(f"submitted {len(ids)} charge_invoice calls over {options.invoices} invoices")
 
         deadline = started + options.deadline
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=False) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        ) as progress:
             bar = progress.add_task("tasks finished", total=len(ids))
             while reader.finished < len(ids) and time.monotonic() < deadline:
                 time.sleep(POLL)
@@ -185,11 +197,15 @@ def run_demo(options: DemoOptions, console: Console) -> int:
         summary = summarize(reader, len(ids))
         console.print(summary_table(summary, wall=wall, total=time.monotonic() - began, killed=killed))
         for first, second in summary.overlaps[:10]:
-            console.print(f"[red]overlap on {first.resource}: pid {first.pid} held it "
-                          f"{first.start:.3f}-{first.end:.3f}, pid {second.pid} from {second.start:.3f}")
+            console.print(
+                f"[red]overlap on {first.resource}: pid {first.pid} held it "
+                f"{first.start:.3f}-{first.end:.3f}, pid {second.pid} from {second.start:.3f}"
+            )
         if summary.finished < summary.submitted:
-            console.print(f"[red]{summary.submitted - summary.finished} tasks did not finish within "
-                          f"{options.deadline:.0f} s; worker logs were in {ledger_dir / 'logs'}")
+            console.print(
+                f"[red]{summary.submitted - summary.finished} tasks did not finish within "
+                f"{options.deadline:.0f} s; worker logs were in {ledger_dir / 'logs'}"
+            )
             for worker in workers:
                 console.print(worker.log_tail(1500), markup=False)
         return 0 if summary.ok else 1
@@ -202,8 +218,10 @@ def _kill_one(masters: ServerSet | None, rng: random.Random, console: Console) -
     victim = masters[rng.randrange(len(masters))]
     pid = victim.pid
     victim.kill()
-    console.print(f"[yellow]killed master {victim.address} (pid {pid}): "
-                  f"{len(masters) - 1} left, quorum is still {len(masters) // 2 + 1}")
+    console.print(
+        f"[yellow]killed master {victim.address} (pid {pid}): "
+        f"{len(masters) - 1} left, quorum is still {len(masters) // 2 + 1}"
+    )
     return victim.address
 
 
@@ -220,27 +238,46 @@ def _positive(kind: type[Any]) -> Any:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
+
     return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--masters", type=_urls, help="real lock masters: comma-separated redis URLs "
-                        "(default: 5 embedded servers)")
+    parser.add_argument(
+        "--masters",
+        type=_urls,
+        help="real lock masters: comma-separated redis URLs (default: 5 embedded servers)",
+    )
     parser.add_argument("--broker", help="a real broker URL (default: an embedded Redis-compatible server)")
     parser.add_argument("--workers", type=_positive(int), default=2, help="worker processes (default 2)")
-    parser.add_argument("--concurrency", type=_positive(int), default=2,
-                        help="prefork pool size per worker (default 2)")
+    parser.add_argument(
+        "--concurrency", type=_positive(int), default=2, help="prefork pool size per worker (default 2)"
+    )
     parser.add_argument("--tasks", type=_positive(int), default=300, help="calls to submit (default 300)")
-    parser.add_argument("--invoices", type=_positive(int), default=30,
-                        help="distinct invoices they are spread over (default 30)")
-    parser.add_argument("--work", type=_positive(float), default=0.05,
-                        help="seconds one charge takes (default 0.05)")
-    parser.add_argument("--contended", choices=["retry", "skip"], default="retry",
-                        help="what a duplicate does while its invoice is locked (default retry)")
-    parser.add_argument("--no-kill", dest="kill_master", action="store_false",
-                        help="do not kill a master half-way")
-    parser.add_argument("--deadline", type=_positive(float), default=45.0,
-                        help="seconds the burst may take before the demo gives up (default 45)")
+    parser.add_argument(
+        "--invoices",
+        type=_positive(int),
+        default=30,
+        help="distinct invoices they are spread over (default 30)",
+    )
+    parser.add_argument(
+        "--work", type=_positive(float), default=0.05, help="seconds one charge takes (default 0.05)"
+    )
+    parser.add_argument(
+        "--contended",
+        choices=["retry", "skip"],
+        default="retry",
+        help="what a duplicate does while its invoice is locked (default retry)",
+    )
+    parser.add_argument(
+        "--no-kill", dest="kill_master", action="store_false", help="do not kill a master half-way"
+    )
+    parser.add_argument(
+        "--deadline",
+        type=_positive(float),
+        default=45.0,
+        help="seconds the burst may take before the demo gives up (default 45)",
+    )
     parser.add_argument("--seed", type=int, help="random seed for the burst and the master killed")
 
 

@@ -8,18 +8,13 @@ fail with NOSCRIPT after a ``SCRIPT FLUSH``.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Script:
     name: str
     source: str
-    sha: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 # Acquire is not a script: a plain ``SET key token NX PX ttl`` is the cheapest grant a master can
@@ -31,12 +26,15 @@ class Script:
 #   KEYS[1]  the lock key
 #   ARGV[1]  the token that must hold it
 #   returns  1 if the key held ARGV[1] and was deleted, 0 if it was absent or held another token
-RELEASE = Script("release", """
+RELEASE = Script(
+    "release",
+    """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
 return 0
-""")
+""",
+)
 
 # EXTEND (compare-and-pexpire)
 #   KEYS[1]  the lock key
@@ -45,11 +43,12 @@ return 0
 #   returns  1 if the key held ARGV[1] and its ttl was set, 0 otherwise
 # An expired key reads as absent, so an extension can never bring a lock back to life, and a key
 # that another token took in the meantime is left alone.
-EXTEND = Script("extend", """
+EXTEND = Script(
+    "extend",
+    """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
-""")
-
-ALL: tuple[Script, ...] = (RELEASE, EXTEND)
+""",
+)

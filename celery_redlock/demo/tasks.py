@@ -1,6 +1,6 @@
 """The Celery app the demo's workers run: ``charge_invoice`` under a Redlock per invoice.
 
-Shipped inside the package so that ``celery -A celery_redlock.demo_tasks worker`` works from any
+Shipped inside the package so that ``celery -A celery_redlock.demo.tasks worker`` works from any
 directory. Configured from the environment the demo gives its workers:
 
 - ``CELERY_REDLOCK_DEMO_BROKER``: the broker URL;
@@ -21,9 +21,9 @@ from typing import Any
 from celery import Celery, Task
 from celery.signals import task_postrun, task_retry
 
-from . import signals
-from .demo_ledger import LedgerWriter
-from .task import RedlockTask
+from ..celery import signals
+from ..celery.task import RedlockTask
+from .ledger import LedgerWriter
 
 ENV_BROKER = "CELERY_REDLOCK_DEMO_BROKER"
 ENV_MASTERS = "CELERY_REDLOCK_DEMO_MASTERS"
@@ -67,12 +67,17 @@ def _charge_invoice(self: Task, invoice_id: int) -> None:
         acquire = _acquired.pop(self.request.id, 0.0)
     time.sleep(WORK)  # the payment provider's round trip
     self.redlock.ensure()  # LockLost here means the charge must not be recorded
-    _ledger.write("run", task_id=self.request.id, resource=f"invoice:{invoice_id}", start=start,
-                  end=time.monotonic(), acquire=acquire)
+    _ledger.write(
+        "run",
+        task_id=self.request.id,
+        resource=f"invoice:{invoice_id}",
+        start=start,
+        end=time.monotonic(),
+        acquire=acquire,
+    )
 
 
-def _note_acquired(sender: Any = None, task_id: str | None = None, elapsed: float = 0.0,
-                   **_: Any) -> None:
+def _note_acquired(sender: Any = None, task_id: str | None = None, elapsed: float = 0.0, **_: Any) -> None:
     if getattr(sender, "name", None) == TASK_NAME and task_id is not None:
         with _started_lock:
             _acquired[task_id] = elapsed
@@ -83,8 +88,7 @@ def _note_retry(request: Any = None, **_: Any) -> None:
         _ledger.write("retry", task_id=request.id)
 
 
-def _note_end(task_id: str | None = None, task: Any = None, state: str | None = None,
-              **_: Any) -> None:
+def _note_end(task_id: str | None = None, task: Any = None, state: str | None = None, **_: Any) -> None:
     if getattr(task, "name", None) == TASK_NAME and task_id is not None:
         with _started_lock:
             _acquired.pop(task_id, None)
@@ -93,8 +97,13 @@ def _note_end(task_id: str | None = None, task: Any = None, state: str | None = 
 
 # Applied as calls rather than decorators: Celery is untyped, and a decorator would erase the types.
 charge_invoice = app.task(
-    _charge_invoice, base=RedlockTask, bind=True, name=TASK_NAME, lock_key="invoice:<invoice_id>",
-    lock_ttl=LOCK_TTL, lock_contended=CONTENDED,
+    _charge_invoice,
+    base=RedlockTask,
+    bind=True,
+    name=TASK_NAME,
+    lock_key="invoice:<invoice_id>",
+    lock_ttl=LOCK_TTL,
+    lock_contended=CONTENDED,
 )
 signals.lock_acquired.connect(_note_acquired, weak=False)
 task_retry.connect(_note_retry, weak=False)

@@ -11,22 +11,26 @@ A lingering lock is still a held lock: nobody else can take it, and its TTL stil
 the process dies. Only the holder's own next acquire of the same key sees it gone at once,
 because the release goes out ahead of that acquire on every link.
 
-The ticker runs only while releases keep coming: it sleeps until the oldest waiting release is
-due (a whole ``linger`` when none waits), and stops after a whole linger in which nothing was
-added and nothing is left. Instances forget their releases in
-a forked child (they are the parent's to send) and send them at interpreter exit.
+The ticker thread is started by the first release held back. It sleeps until the oldest waiting
+release is due (a whole ``linger`` when none waits); after a whole linger in which nothing was
+added and nothing is left it waits, without waking, until the next release is held back. It
+ends only at :meth:`Lingering.close`, which its Redlock calls from ``Redlock.close()`` or, for a
+Redlock dropped without that, when the Redlock is collected: the ticker holds the masters it
+sends to, never the Redlock, so it cannot keep its owner alive. Instances forget their releases
+in a forked child (they are the parent's to send) and send them at interpreter exit.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from .._fork import on_fork_in_child
+from .clock import now
 
 logger = logging.getLogger("celery_redlock.linger")
 
@@ -41,25 +45,36 @@ class Lingering:
 
     def __init__(self, linger: float, send: Send) -> None:
         self.linger = linger
-        self._send = send
+        self._send = send  # must not hold the Redlock: the ticker would keep it alive
+        self._added = 0
+        self._start_empty()
+        _instances.add(self)
+        on_fork_in_child(self._after_fork_in_child)
+
+    def _start_empty(self) -> None:
+        """Nothing held back and no ticker: a new instance, or a forked child's copy of one."""
         self._items: list[tuple[float, Command]] = []  # (send by, command), oldest first
         # A plain Lock: add() and take() run once per task, and an RLock costs more to enter.
         self._cond = threading.Condition(threading.Lock())
-        self._ticking = False  # a ticker thread runs (cheaper to read than Thread.is_alive())
+        # The ticker that runs now (None: none, or the last one was told to stop). A ticker
+        # runs only while it is this one, so one that close() let go ends even if a later
+        # add() starts its successor before it has woken up.
+        self._ticker: threading.Thread | None = None
         self._ticker_idle = False
-        self._added = 0
-        self._closed = False
-        _instances.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The releases held back are the parent's to send, and the parent's ticker did not
+        # survive the fork. The condition is replaced, not taken (see celery_redlock._fork).
+        self._start_empty()
 
     def add(self, command: Command) -> None:
         """Hold ``command`` back until the next round, or ``linger`` seconds at most."""
         with self._cond:
-            self._items.append((time.monotonic() + self.linger, command))
+            self._items.append((now() + self.linger, command))
             self._added += 1
-            if self._closed or not self._ticking:
-                self._closed = False
-                self._ticking = True
-                threading.Thread(target=self._tick, name="redlock-linger", daemon=True).start()
+            if self._ticker is None:
+                self._ticker = threading.Thread(target=self._tick, name="redlock-linger", daemon=True)
+                self._ticker.start()
             elif self._ticker_idle:
                 self._cond.notify()
 
@@ -81,24 +96,19 @@ class Lingering:
         """Send everything held back and stop the ticker (a later ``add`` starts a new one)."""
         self.flush()
         with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _forget_after_fork(self) -> None:
-        self._items = []
-        self._cond = threading.Condition(threading.Lock())
-        self._ticking = False
-        self._ticker_idle = False
+            self._ticker = None
+            self._cond.notify_all()
 
     def _tick(self) -> None:
+        me = threading.current_thread()
         try:
-            self._tick_until_closed()
+            self._tick_while(me)
         finally:
             with self._cond:
-                if not self._closed:  # not replaced by a newer ticker (add after close)
-                    self._ticking = False
+                if self._ticker is me:  # ended by an error, not by close(): the next add restarts
+                    self._ticker = None
 
-    def _tick_until_closed(self) -> None:
+    def _tick_while(self, me: threading.Thread) -> None:
         # Releases are sent a little ahead of their bound, so a wake-up that comes late still
         # keeps it.
         early = self.linger / 10
@@ -106,24 +116,23 @@ class Lingering:
         while True:
             with self._cond:
                 # Idle once a whole linger passed with nothing added and nothing left to send.
-                while not self._closed and not self._items and self._added == seen:
+                while self._ticker is me and not self._items and self._added == seen:
                     self._ticker_idle = True
                     self._cond.wait()
                     self._ticker_idle = False
-                if self._closed:
+                if self._ticker is not me:
                     return
                 seen = self._added
                 # Sleep until the oldest release is due, or a whole linger when none waits. A
                 # busy process's next round takes each release long before then, so the ticker
                 # wakes about once per linger and finds nothing to do; waking on every add
                 # would cost a thread switch per release.
-                now = time.monotonic()
-                wait = self._items[0][0] - early - now if self._items else self.linger
+                wait = self._items[0][0] - early - now() if self._items else self.linger
                 if wait > 0:
                     self._cond.wait(wait)
-                if self._closed:
+                if self._ticker is not me:
                     return
-                horizon = time.monotonic() + early
+                horizon = now() + early
                 due = [command for by, command in self._items if by <= horizon]
                 if due:
                     self._items = [item for item in self._items if item[0] > horizon]
@@ -134,11 +143,6 @@ class Lingering:
                     logger.exception("sending %d lingering releases failed", len(due))
 
 
-def _after_fork_in_child() -> None:
-    for instance in list(_instances):
-        instance._forget_after_fork()
-
-
 def _at_exit() -> None:
     for instance in list(_instances):
         try:
@@ -147,5 +151,4 @@ def _at_exit() -> None:
             logger.debug("lingering releases not sent at exit", exc_info=True)
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(_at_exit)

@@ -1,0 +1,91 @@
+"""Worker lifecycle hooks: what makes RedlockTask work under every pool.
+
+Connected (once, with fixed ``dispatch_uid``) when the first RedlockTask class is defined or a
+RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s own:
+
+- ``before_task_publish``: stamps the publish time (:data:`.slots.PUBLISHED_HEADER`)
+  into every message that has none, in the publishing process (beat, a web process), so
+  ``lock_slot`` can tell which schedule tick a message belongs to.
+- ``worker_init`` (main process): the start-up checks, logged as warnings.
+- ``worker_process_init`` (each prefork child, after fork): builds the child's own Redlock, so
+  its connections are made in the child; the heartbeat thread starts on the child's first lock.
+- ``task_postrun``: releases the lock of a run that ended ignored or rejected (no after_return),
+  or was interrupted by a terminate signal (``revoke(terminate=True)`` raises SystemExit in a
+  pool child, and the tracer still sends postrun).
+- ``task_revoked`` with ``terminated``: releases the lock if the run was in this process.
+- ``worker_process_shutdown`` / ``worker_shutdown``: releases every lock still held here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from celery import signals as celery_signals
+
+from ..errors import ConfigError
+from . import held
+from .settings import app_redlock, close_app_redlock
+from .slots import PUBLISHED_HEADER
+
+logger = logging.getLogger("celery_redlock.hooks")
+
+
+def stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    if headers is not None and headers.get(PUBLISHED_HEADER) is None:
+        headers[PUBLISHED_HEADER] = time.time()
+
+
+def release_after_run(
+    sender: Any = None, task_id: str | None = None, state: str | None = None, **_: Any
+) -> None:
+    held.finish_after_run(sender, task_id, state or "UNKNOWN")
+
+
+def release_revoked(request: Any = None, terminated: bool = False, **_: Any) -> None:
+    task_id = getattr(request, "id", None) or getattr(request, "task_id", None)
+    if terminated and task_id:
+        held.release_task(str(task_id), "task revoked with terminate")
+
+
+def release_at_shutdown(**_: Any) -> None:
+    held.release_all("worker process shutting down")
+    close_app_redlock()
+
+
+def prepare_child(**_: Any) -> None:
+    from celery import current_app
+
+    # A bad configuration is reported once at worker start; each locked task fails with it.
+    with contextlib.suppress(ConfigError):
+        app_redlock(current_app)
+
+
+_HOOKS = (
+    (celery_signals.before_task_publish, stamp_publish_time),
+    (celery_signals.task_postrun, release_after_run),
+    (celery_signals.task_revoked, release_revoked),
+    (celery_signals.worker_process_init, prepare_child),
+    (celery_signals.worker_process_shutdown, release_at_shutdown),
+    (celery_signals.worker_shutdown, release_at_shutdown),
+)
+
+
+_connected = False
+
+
+def connect(*extra: tuple[Any, Any]) -> None:
+    """Connect every hook, plus ``extra`` (signal, handler) pairs; idempotent and cheap after
+    the first call.
+
+    Nothing is connected at import: a process that imports the package but defines no
+    RedlockTask (or uses the lock core alone) publishes its messages untouched.
+    """
+    global _connected
+    if _connected and not extra:
+        return
+    for signal, handler in (*_HOOKS, *extra):
+        signal.connect(handler, weak=False, dispatch_uid=f"celery_redlock.{handler.__name__}")
+    _connected = True

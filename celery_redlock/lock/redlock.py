@@ -1,0 +1,683 @@
+"""The Redlock algorithm over N independent masters. Knows nothing of Celery.
+
+Acquire, as the Redis documentation describes it:
+
+1. note the time, t_start (:func:`.clock.now`, before anything of the round is done, connects
+   included);
+2. try to set the key to a fresh random token with the TTL on every master at once;
+3. the lock is held iff a majority (N//2 + 1) granted it and the validity left,
+   ``ttl - (t_end - t_start) - (ttl * drift_factor + 2 ms)``, is positive;
+4. otherwise release on every master (also those that did not answer: the write may have
+   landed) and try again after a random delay.
+
+The holder may only act on the resource while the validity lasts; :meth:`Lock.extend` renews it
+on a quorum, and cannot revive a key that expired or that another token holds.
+
+A lock belongs to the process that acquired it. A forked child's copy of a held :class:`Lock`
+is not owned there, and nothing the child does with it reaches the masters; the child may
+acquire it anew, as a contender of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import os
+import random
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+from .._fork import on_fork_in_child, pid
+from .._validate import count, number
+from ..errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
+from . import scripts, wire
+from .clock import now
+from .linger import Lingering
+from .masters import GRANTED, Command, Master, Outcome, Round, refuse_shared_servers, script_template
+
+logger = logging.getLogger("celery_redlock.redlock")
+
+# Names longer than this are shortened to a readable head plus a digest of the whole name.
+MAX_NAME_LENGTH = 512
+# The least drift allowed for, whatever the TTL: clock granularity and the scheduling delay
+# between a master setting the key and its reply being read.
+CLOCK_DRIFT_FLOOR = 0.002
+MAX_RELEASE_LINGER = 1.0
+
+# The commands, packed from templates: only key, token and TTL are encoded per call.
+ACQUIRE = wire.Template(("SET", wire.SLOT, wire.SLOT, "NX", "PX", wire.SLOT))  # key token <ms>
+RELEASE = script_template(scripts.RELEASE, 1, 1)  # key token
+EXTEND = script_template(scripts.EXTEND, 1, 2)  # key token <ms>
+
+
+class RedlockWarning(UserWarning):
+    """A configuration that works but weakens the lock's guarantees."""
+
+
+def lock_key(prefix: str, name: object) -> str:
+    """The key a resource name is stored under; over-long names keep a head and a digest."""
+    if not isinstance(name, str):
+        raise ConfigError(f"lock name must be a str, got {type(name).__name__}: {name!r}")
+    if not name:
+        raise ConfigError("lock name must not be empty")
+    if len(name) > MAX_NAME_LENGTH:
+        digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
+        name = f"{name[:64]}~sha256:{digest}"
+    return prefix + name
+
+
+class Redlock:
+    """A lock factory over N independent Redis masters.
+
+    ``masters`` are redis URLs (``redis://``, ``rediss://``, ``unix://``) or ``redis.Redis``
+    clients; only their connection options are used, on connections of our own with
+    ``request_timeout`` for connect and read and no client-side retries.
+
+    ``release_linger`` (seconds, 0 by default) lets a release wait that long at most to travel
+    with this process's next round to the masters instead of in one of its own (see
+    :mod:`celery_redlock.lock.linger`); ``Lock.release(linger=False)`` still sends at once.
+
+    A TTL (here, in :meth:`lock` or in :meth:`Lock.extend`) below :attr:`min_ttl`,
+    ``(2 ms + request_timeout) / (1 - drift_factor)``, is a :class:`ConfigError`: no round could
+    be relied on to leave any validity.
+    """
+
+    def __init__(
+        self,
+        masters: Iterable[str | Any],
+        *,
+        ttl: float = 30.0,
+        retry_count: int = 3,
+        retry_delay: float = 0.2,
+        drift_factor: float = 0.01,
+        request_timeout: float = 0.1,
+        key_prefix: str = "redlock:",
+        release_linger: float = 0.0,
+    ) -> None:
+        if isinstance(masters, (str, bytes)):
+            masters = [masters]
+        specs = list(masters)
+        if not specs:
+            raise ConfigError("masters: at least one master is needed")
+        ttl = number("ttl", ttl, above=0, unit="seconds")
+        self.retry_count = count("retry_count", retry_count)
+        self.retry_delay = number("retry_delay", retry_delay, at_least=0, unit="seconds")
+        self.drift_factor = number("drift_factor", drift_factor, at_least=0, below=0.5)
+        self.request_timeout = number("request_timeout", request_timeout, above=0, unit="seconds")
+        self.min_ttl = _min_ttl(self.request_timeout, self.drift_factor)
+        self.ttl = self.check_ttl("ttl", ttl)
+        if not isinstance(key_prefix, str):
+            raise ConfigError(f"key_prefix must be a str, got {key_prefix!r}")
+        self.key_prefix = key_prefix
+        self.release_linger = number(
+            "release_linger",
+            release_linger,
+            at_least=0,
+            at_most=MAX_RELEASE_LINGER,
+            unit="seconds",
+            why="it delays every release by up to that much",
+        )
+
+        self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
+        refuse_shared_servers(self.masters)
+        if len(self.masters) % 2 == 0:
+            message = (
+                f"masters: {len(self.masters)} is even; a quorum of {len(self.masters) // 2 + 1} "
+                f"tolerates no more failures than {len(self.masters) - 1} masters would"
+            )
+            warnings.warn(message, RedlockWarning, stacklevel=2)
+            logger.warning(message)
+        self.quorum = len(self.masters) // 2 + 1
+        # Votes are immutable; the two answers a healthy master gives are shared, not rebuilt.
+        self._granted_votes = [Vote(m.name, "yes") for m in self.masters]
+        self._refused_votes = [Vote(m.name, "held") for m in self.masters]
+        # Nothing this Redlock starts may outlive it. The linger ticker is given the masters, not
+        # the Redlock (a bound method would keep the Redlock alive for as long as the thread
+        # runs), and a Redlock dropped without close() is closed when it is collected: its
+        # lingering releases are sent, the ticker stops, every idle link is closed.
+        self._lingering = (
+            Lingering(self.release_linger, functools.partial(_send, self.masters, self.request_timeout))
+            if self.release_linger
+            else None
+        )
+        self._finalizer = weakref.finalize(self, _close_quietly, self._lingering, self.masters)
+        self._finalizer.atexit = False  # at exit, linger's own hook sends what still lingers
+
+    def __repr__(self) -> str:
+        return f"<Redlock {len(self.masters)} masters quorum={self.quorum} ttl={self.ttl}s>"
+
+    # -- public factory --------------------------------------------------------------------------
+    def lock(
+        self,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> Lock:
+        """A :class:`Lock` for one resource. Nothing is sent until it is acquired."""
+        return Lock(self, name, ttl, timeout=timeout, blocking=blocking)
+
+    def flush_releases(self) -> None:
+        """Send every lingering release now (see ``release_linger``)."""
+        if self._lingering is not None:
+            self._lingering.flush()
+
+    def close(self) -> None:
+        """Send any lingering releases, then close every idle connection.
+
+        Safe to call again; the Redlock stays usable (a later operation reconnects).
+        """
+        _close(self._lingering, self.masters)
+
+    def __enter__(self) -> Redlock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the algorithm ----------------------------------------------------------------------------
+    def drift(self, ttl: float) -> float:
+        return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
+
+    def check_ttl(self, name: str, value: object) -> float:
+        """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`), else a
+        :class:`ConfigError` that names the minimum and what it follows from."""
+        ttl = number(name, value, above=0, unit="seconds")
+        if ttl < self.min_ttl:
+            raise ConfigError(
+                f"{name} must be at least {self.min_ttl:g} seconds, got {value!r}: a round may take up "
+                f"to request_timeout ({self.request_timeout:g} s) and the drift allowance is "
+                f"ttl * drift_factor ({self.drift_factor:g}) + {CLOCK_DRIFT_FLOOR * 1000:g} ms, so a "
+                "shorter TTL could be granted by every master and still leave no validity"
+            )
+        return ttl
+
+    def _round(self) -> Round:
+        # Lingering releases ride along with whatever this round sends first.
+        lingering = self._lingering
+        return Round(self.masters, lingering.take() if lingering is not None else ())
+
+    def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> tuple[list[Vote], int]:
+        """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
+        does not (the key is someone else's, or gone), else the error or timeout; and how many
+        said yes."""
+        votes = []
+        yes = 0
+        for i, outcome in enumerate(outcomes):
+            if outcome.kind == "ok":
+                if outcome.value == granted:
+                    votes.append(self._granted_votes[i])
+                    yes += 1
+                else:
+                    votes.append(self._refused_votes[i])
+            else:
+                votes.append(Vote(self.masters[i].name, outcome.kind, outcome.detail))
+        return votes, yes
+
+    def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
+
+        On failure every master is sent the release on the link the acquire used, so a late
+        write is always followed by its deletion.
+        """
+        acquire = ACQUIRE.pack(key, token, _milliseconds(ttl))
+        # Taken before the round makes any missing connection: all of the round, connects
+        # included, is spent out of the TTL (and Lock counts its validity from earlier still).
+        t_start = now()
+        with self._round() as rnd:
+            outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
+            elapsed = now() - t_start
+            if outcomes.count(GRANTED) == len(outcomes):  # the usual round: compared by identity
+                votes, granted = list(self._granted_votes), len(outcomes)
+            else:
+                votes, granted = self._votes(outcomes, granted=b"OK")
+            validity = ttl - elapsed - self.drift(ttl)
+            if granted >= self.quorum and validity > 0:
+                if granted < len(votes):
+                    # A master that answered late may still set the key; retract it on the same
+                    # link (not waited for) so the key cannot outlive our release.
+                    release = RELEASE.pack(key, token)
+                    late = [release if v.kind == "timeout" else None for v in votes]
+                    if any(late):
+                        rnd.send(late, self.request_timeout)
+                return validity, votes, elapsed
+            release = RELEASE.pack(key, token)
+            # A master that answered "held" refused our SET: nothing of ours is there to delete.
+            # Every other one (yes, error, timeout) may hold our token and gets the release.
+            retract = [None if v.kind == "held" else release for v in votes]
+            if any(retract):
+                rnd.send(retract, self.request_timeout)
+        return min(validity, 0.0), votes, elapsed
+
+    def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+        """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
+        command = EXTEND.pack(key, token, _milliseconds(ttl))
+        t_start = now()  # before the round's connects, as in try_acquire
+        with self._round() as rnd:
+            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+            elapsed = now() - t_start
+        return self._extension(outcomes, ttl, elapsed)
+
+    def _extension(
+        self, outcomes: Sequence[Outcome], ttl: float, elapsed: float
+    ) -> tuple[float, list[Vote], float]:
+        """An extension's (validity, votes, elapsed) from every master's outcome of it."""
+        votes, granted = self._votes(outcomes)
+        validity = ttl - elapsed - self.drift(ttl)
+        return (validity if granted >= self.quorum else 0.0), votes, elapsed
+
+    def extend_many(self, locks: Sequence[Lock]) -> list[bool]:
+        """Extend each of ``locks`` to its own TTL, all in one round; ``[k]`` is what
+        ``locks[k].extend()`` would have returned.
+
+        Every extension for a master goes out in one write and the replies are read in order
+        (:meth:`Round.call_many`), so n locks cost one round trip, not n: what lets one process
+        keep many locks alive behind a slow master. Each lock takes in its result by the same
+        rules as :meth:`Lock.extend` (``Lock._settle_extension``), counted from the one start
+        of the round.
+        """
+        first: dict[int, Lock] = {}  # a lock listed twice is extended once
+        for lock in locks:
+            if lock.redlock is not self:
+                raise ValueError(f"lock {lock.name!r} belongs to another Redlock")
+            first.setdefault(id(lock), lock)
+        me = pid()
+        extended: dict[int, bool] = {}
+        with contextlib.ExitStack() as holding:
+            # Each lock's mutex is held across the round, as extend() holds it. They are taken
+            # in one order (by id), so two callers sharing locks cannot deadlock each other. A
+            # forked child's copy of its parent's lock is never extended (see Lock.extend).
+            batch: list[tuple[Lock, str]] = []
+            for key in sorted(first):
+                lock = first[key]
+                if lock._owner != me:
+                    continue
+                holding.enter_context(lock._mutex())
+                token = lock._extendable()
+                if token is not None:
+                    batch.append((lock, token))
+            if batch:
+                commands = [EXTEND.pack(lock.key, token, _milliseconds(lock.ttl)) for lock, token in batch]
+                started = now()  # before the round's connects, as in try_extend
+                with self._round() as rnd:
+                    replies = rnd.call_many([commands] * len(self.masters), self.request_timeout)
+                    elapsed = now() - started
+                for j, (lock, token) in enumerate(batch):
+                    validity, votes, _ = self._extension([mine[j] for mine in replies], lock.ttl, elapsed)
+                    extended[id(lock)] = lock._settle_extension(token, started, lock.ttl, validity, votes)
+        # Outside the mutexes, as extend() does: the hook may do a round of its own.
+        for lock in first.values():
+            if extended.get(id(lock)):
+                lock.extended(lock.ttl)
+        return [extended.get(id(lock), False) for lock in locks]
+
+    def release_key(self, key: str, token: str, *, linger: bool = True) -> None:
+        """Send the compare-and-delete to every master, without waiting for the replies.
+
+        Each master applies it as it arrives, before anything this process sends it later on
+        that connection; the acknowledgements are read by the connection's next use. Waiting
+        would only tell us what expiry makes true anyway, at the price of a round trip. With
+        ``release_linger`` set (and ``linger``), it waits to travel with the next round.
+        """
+        command = RELEASE.pack(key, token)
+        if linger and self._lingering is not None:
+            self._lingering.add(command)
+            return
+        with self._round() as rnd:
+            rnd.send([command] * len(self.masters), self.request_timeout)
+
+    def write_everywhere(self, key: str, value: str, ttl: float) -> int:
+        """SET a plain (non-lock) key on every master with a TTL; returns how many accepted it.
+
+        For records that sit beside a lock (e.g. who leads a beat cluster), never for the lock.
+        """
+        command = ("SET", key, value, "PX", max(1, int(ttl * 1000)))
+        with self._round() as rnd:
+            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+        return sum(1 for o in outcomes if o.kind == "ok")
+
+    def read_everywhere(self, key: str) -> list[bytes | None]:
+        """GET a plain key from every master (None where absent, or where a master failed)."""
+        with self._round() as rnd:
+            outcomes = rnd.call([("GET", key)] * len(self.masters), self.request_timeout)
+        return [o.value if o.kind == "ok" else None for o in outcomes]
+
+    def holders(self, key: str) -> int:
+        """How many masters hold ``key`` at all (by any token)."""
+        with self._round() as rnd:
+            outcomes = rnd.call([("EXISTS", key)] * len(self.masters), self.request_timeout)
+        return sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
+
+
+def _min_ttl(request_timeout: float, drift_factor: float) -> float:
+    """The least TTL a round can honour, rounded up to the millisecond the masters count in.
+
+    A round counts only the replies that arrive within ``request_timeout``, so a round that
+    gathered its quorum in time took less than that. Its validity,
+    ``ttl - elapsed - (ttl * drift_factor + CLOCK_DRIFT_FLOOR)``, is then positive for every such
+    round iff ``ttl * (1 - drift_factor) >= CLOCK_DRIFT_FLOOR + request_timeout``. Below that,
+    every master could grant a lock (or an extension) that is already worth nothing, and the
+    holder could not tell a slow round from a lost lock. A round that must first connect takes
+    longer still, which is why a TTL should be far above this minimum, not at it.
+    """
+    raw = (CLOCK_DRIFT_FLOOR + request_timeout) / (1 - drift_factor)
+    return math.ceil(raw * 1000 - 1e-9) / 1000
+
+
+def _milliseconds(ttl: float) -> int:
+    """The TTL a master is sent: rounded up, never down, so no master drops a key sooner than
+    the validity counted from ``ttl`` assumes."""
+    return math.ceil(ttl * 1000)
+
+
+def _send(masters: Sequence[Master], timeout: float, commands: Sequence[Command]) -> None:
+    """Send ``commands`` (lingering releases) to every master in a round of their own."""
+    with Round(masters, commands) as rnd:
+        rnd.send([None] * len(masters), timeout)
+
+
+def _close(lingering: Lingering | None, masters: Sequence[Master]) -> None:
+    if lingering is not None:
+        lingering.close()
+    for master in masters:
+        master.close()
+
+
+def _close_quietly(lingering: Lingering | None, masters: Sequence[Master]) -> None:
+    """:func:`_close` for a Redlock being collected: nobody is there to hear of a failure."""
+    try:
+        _close(lingering, masters)
+    except Exception:
+        logger.warning("closing a dropped Redlock failed", exc_info=True)
+
+
+# A Lock's mutex is replaced in a forked child on its first use there (see Lock._mutex); this one
+# orders two threads of the child that get there at once. It is itself replaced after fork.
+_inherited_mutex = threading.Lock()
+
+
+def _new_inherited_mutex() -> None:
+    global _inherited_mutex
+    _inherited_mutex = threading.Lock()
+
+
+on_fork_in_child(_new_inherited_mutex)
+
+
+class Lock:
+    """One resource's lock on a :class:`Redlock`. Shareable across threads.
+
+    Use ``acquire``/``release`` or ``with``. ``validity`` is how many seconds of guaranteed
+    hold are left; act on the resource only while ``owned()`` is true.
+
+    A lock belongs to the process that acquired it. In a forked child, the copy of a lock its
+    parent held is not owned (``owned()`` is False, ``validity`` 0, ``token`` None, ``extend()``
+    returns False and ``ensure()`` raises :class:`LockLost`), and ``release()`` or leaving a
+    ``with`` block (``sys.exit`` in the child unwinds it) sends nothing: the lock stays the
+    parent's. The child's copy may be acquired again, as a new lock with a token of the child's
+    own, which waits for the parent's release like any other contender.
+    """
+
+    def __init__(
+        self,
+        redlock: Redlock,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+    ) -> None:
+        self.redlock = redlock
+        self.key = lock_key(redlock.key_prefix, name)
+        self.name = name
+        self.ttl = redlock.ttl if ttl is None else redlock.check_ttl("ttl", ttl)
+        # Checked now, not at the first ``with``, so a bad value fails where it was written.
+        self._timeout = None if timeout is None else number("timeout", timeout, at_least=0, unit="seconds")
+        self._blocking = blocking
+        self._token: str | None = None
+        self._owner = 0  # the pid of the process that acquired the token (see _fork.pid)
+        self._valid_until = 0.0
+        self._lost_reason = ""
+        self._op = threading.Lock()
+        self._op_pid = pid()  # the process _op was made in
+        self.last_votes: list[Vote] = []
+        self._failure: tuple[Any, ...] | None = None
+        self._last_error: LockNotAcquired | None = None
+
+    def __repr__(self) -> str:
+        state = f"owned, {self.validity:.3f}s left" if self.owned() else "not owned"
+        return f"<Lock {self.name!r} ttl={self.ttl}s {state}>"
+
+    @property
+    def last_error(self) -> LockNotAcquired | None:
+        """Why the last acquisition failed (None after a success)."""
+        if self._last_error is None and self._failure is not None:
+            votes, attempts, elapsed, validity = self._failure
+            self._last_error = LockNotAcquired(
+                self.name,
+                votes,
+                attempts=attempts,
+                elapsed=elapsed,
+                validity=validity,
+                quorum=self.redlock.quorum,
+            )
+        return self._last_error
+
+    @property
+    def token(self) -> str | None:
+        """The token this process holds the lock by (None if it does not hold it)."""
+        return self._token if self._owner == pid() else None
+
+    @property
+    def validity(self) -> float:
+        # pid() reads a variable (no system call): a forked child's copy is not owned.
+        if self._token is None or self._lost_reason or self._owner != pid():
+            return 0.0
+        return max(0.0, self._valid_until - now())
+
+    @property
+    def lost_reason(self) -> str:
+        """Why the lock was lost ("" while held or never acquired)."""
+        return self._lost_reason
+
+    def owned(self) -> bool:
+        return self.validity > 0.0
+
+    def _mutex(self) -> threading.Lock:
+        """The mutex that orders this Lock's operations.
+
+        A forked child gets a new one on first use: another thread of the parent (its heartbeat,
+        say) may have held the old one at the fork, and would never release it in the child.
+        """
+        if self._op_pid != pid():
+            with _inherited_mutex:
+                if self._op_pid != pid():
+                    self._op = threading.Lock()
+                    self._op_pid = pid()
+        return self._op
+
+    def locked(self) -> bool:
+        """Whether a quorum of masters holds this resource, by any token."""
+        return self.redlock.holders(self.key) >= self.redlock.quorum
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Try to take the lock; True once held. Like ``threading.Lock.acquire``.
+
+        ``blocking=False`` tries one round. Otherwise retries after a random delay in
+        ``[0, retry_delay)``: until ``timeout`` seconds have passed, or, with no timeout, for
+        ``retry_count`` more attempts.
+        """
+        if timeout is not None:
+            if not blocking:
+                raise ConfigError("timeout cannot be given with blocking=False")
+            number("timeout", timeout, at_least=0, unit="seconds")
+        if self.owned():
+            raise RedlockError(f"lock {self.name!r} is already held by this Lock")
+        redlock = self.redlock
+        deadline = None if timeout is None else now() + timeout
+        attempts = 0
+        mutex = self._mutex()
+        while True:
+            attempts += 1
+            # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
+            token = os.urandom(20).hex()
+            with mutex:
+                started = now()
+                validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
+                self.last_votes = votes
+                if validity > 0:
+                    # Anchored before the round, never when its result is looked at: a holder
+                    # stalled in between (a long GC, a SIGSTOP) must not come back believing it
+                    # holds what the masters already let expire. So True here implies owned().
+                    # One more clock read (81 ns, no system call) per acquisition.
+                    valid_until = started + self.ttl - redlock.drift(self.ttl)
+                    validity = valid_until - now()
+                    if validity > 0:
+                        self._token = token
+                        self._owner = pid()
+                        self._valid_until = valid_until
+                        self._lost_reason = ""
+                        self._failure = self._last_error = None
+                        logger.debug(
+                            "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
+                        )
+                        return True
+                    # Granted, but run out before it was looked at: a failed attempt, and so
+                    # released like one.
+                    redlock.release_key(self.key, token)
+            # Built only when asked for: a contended loop fails far more often than it looks.
+            self._failure = (votes, attempts, elapsed, validity)
+            self._last_error = None
+            if not blocking:
+                return False
+            delay = random.uniform(0, redlock.retry_delay)
+            if deadline is None:
+                if attempts > redlock.retry_count:
+                    return False
+            else:
+                remaining = deadline - now()
+                if remaining <= 0:
+                    return False
+                delay = min(delay, remaining)
+            time.sleep(delay)
+
+    def extend(self, ttl: float | None = None) -> bool:
+        """Set the lock's TTL to ``ttl`` (default: its own) on a quorum; False if that failed.
+
+        The TTL is replaced, not added to: a shorter ``ttl`` shortens the lock, and does so
+        even when the extension fails (see below). A failed extension otherwise leaves the
+        validity the lock had; it is lost for good when the masters that no longer hold the
+        token leave no quorum possible. A forked child's copy of its parent's lock is never
+        extended (False).
+        """
+        redlock = self.redlock
+        ttl = self.ttl if ttl is None else redlock.check_ttl("ttl", ttl)
+        if self._owner != pid():
+            return False  # not acquired, or acquired by another process (a forked child's copy)
+        with self._mutex():
+            token = self._extendable()
+            if token is None:
+                return False
+            started = now()
+            validity, votes, _ = redlock.try_extend(self.key, token, ttl)
+            if not self._settle_extension(token, started, ttl, validity, votes):
+                return False
+        self.extended(ttl)
+        return True
+
+    def extended(self, ttl: float) -> None:
+        """Called after every successful extension to ``ttl``, by :meth:`extend` and by
+        :meth:`Redlock.extend_many` alike, outside the lock's mutex. Does nothing here; a
+        subclass that keeps something beside the lock (a leader record) refreshes it here, so
+        the heartbeat's batched extensions cannot skip it."""
+
+    def _extendable(self) -> str | None:
+        """The token to extend, or None when there is nothing to extend (call holding the mutex;
+        :meth:`Redlock.extend_many` asks the same)."""
+        token = self._token
+        if token is None or self._lost_reason or not self.owned():
+            return None
+        return token
+
+    def _settle_extension(
+        self, token: str, started: float, ttl: float, validity: float, votes: list[Vote]
+    ) -> bool:
+        """Record the outcome of extending ``token`` to ``ttl`` in a round started at
+        ``started`` (on :func:`.clock.now`) that left ``validity``; True if the lock was extended.
+
+        Called holding the mutex, for an extension by this process (see :meth:`extend`).
+        """
+        self.last_votes = votes
+        # INVARIANT: whatever the attempt returns, the validity afterwards never exceeds what
+        # the new TTL allows, counted from before the round. Any master may have applied it:
+        # those that said yes did, and one that timed out may yet, when its reply is late (a
+        # paused master resumes). PEXPIRE replaces the TTL, so a shorter one ends the keys
+        # sooner than the validity we had, granted or not.
+        limit = started + ttl - self.redlock.drift(ttl)
+        if validity > 0 and self._token == token and limit > now():
+            self._valid_until = limit
+            return True
+        self._valid_until = min(self._valid_until, limit)
+        gone = sum(1 for v in votes if v.kind == "held")
+        if gone > len(votes) - self.redlock.quorum:
+            self._lost_reason = f"{gone} of {len(votes)} masters no longer hold this token"
+        logger.debug("extension of %s failed: %s", self.key, "; ".join(map(str, votes)))
+        return False
+
+    def release(self, *, linger: bool = True) -> None:
+        """Release on every master. Releasing a lock not held (or already gone) does nothing.
+
+        Returns once the release is on its way to every reachable master (see
+        :meth:`Redlock.release_key`); it does not wait a round trip for the acknowledgements.
+        If the Redlock has a ``release_linger``, the release may wait that long for company;
+        ``linger=False`` sends it at once.
+        """
+        with self._mutex():
+            if self._owner != pid():
+                # Not acquired, or a forked child's copy of its parent's lock: that lock is the
+                # parent's, and nothing of it is sent from here. The copy forgets the token, so
+                # it can be acquired anew as the child's own.
+                self._token = None
+                return
+            token, self._token = self._token, None
+            self._valid_until = 0.0
+            self._lost_reason = ""
+        if token is not None:
+            self.redlock.release_key(self.key, token, linger=linger)
+
+    def ensure(self) -> None:
+        """Raise :class:`LockLost` unless the lock is still owned."""
+        if not self.owned():
+            if self._token is not None and self._owner != pid():
+                reason = (
+                    f"it belongs to another process (pid {self._owner}, which acquired it); "
+                    "a forked child does not own its parent's locks"
+                )
+            elif self._token is not None:
+                reason = self._lost_reason or "validity ran out"
+            else:
+                reason = self._lost_reason or "not acquired"
+            raise LockLost(self.name, reason)
+
+    def __enter__(self) -> Lock:
+        if not self.acquire(self._blocking, self._timeout):
+            assert self.last_error is not None
+            raise self.last_error
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()

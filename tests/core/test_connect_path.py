@@ -1,0 +1,330 @@
+"""The connect path: what a round costs when links must be made, and which links it may trust.
+
+- A round costs one ``request_timeout`` at most, connects included (never one for the connect and
+  another for the reply).
+- A link the server closed while it sat idle (``timeout``, ``CLIENT KILL``, a restart) is found
+  out before it carries a vote or a release, and replaced within the same round.
+- A master that is down costs a round nothing: it votes ``error`` at once, and is reconnected in
+  the background, backed off, so it rejoins within the backoff cap once it is back.
+- Releases that linger until interpreter exit are delivered even when they need new links.
+- Two masters that turn out to be one server (a proxy, an alias) stop the Redlock granting.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from celery_redlock import ConfigError, Redlock
+from celery_redlock.lock import masters as master_module
+from celery_redlock.testing import Proxy, RedisServer, ServerSet
+
+from .conftest import keys_on, wait_for
+
+# Loopback round trips are well under a millisecond; this is what a loaded 2-core machine may add
+# to one round (thread wake-ups, the proxy thread), not a tolerance for a second timeout.
+SLACK = 0.15
+
+
+def kinds(votes: object) -> list[str]:
+    return [vote.kind for vote in votes]  # type: ignore[attr-defined]
+
+
+def clients_of(server: RedisServer) -> int:
+    """How many connections the server holds, not counting the one asking."""
+    client = server.client()
+    try:
+        return len(client.client_list()) - 1
+    finally:
+        client.close()
+
+
+def set_idle_timeout(servers: ServerSet, seconds: int) -> None:
+    for server in servers:
+        client = server.client()
+        try:
+            client.config_set("timeout", seconds)
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def idle_timeout(masters: ServerSet) -> Iterator[ServerSet]:
+    """The masters close connections idle for more than one second (as managed Redis does)."""
+    set_idle_timeout(masters, 1)
+    try:
+        yield masters
+    finally:
+        set_idle_timeout(masters, 0)
+
+
+def wait_until_idle_closed(servers: ServerSet) -> None:
+    """Until every master has closed every connection it held (its idle timeout fired)."""
+    assert wait_for(lambda: all(clients_of(server) == 0 for server in servers), 10.0), [
+        clients_of(server) for server in servers
+    ]
+
+
+def kill_clients(servers: ServerSet) -> None:
+    for server in servers:
+        client = server.client()
+        try:
+            client.client_kill_filter(_type="normal", skipme=True)
+        finally:
+            client.close()
+
+
+def none_left(servers: ServerSet, key: str) -> bool:
+    return not any(keys_on(servers, key).values())
+
+
+# -- 1. one request_timeout per round, connects included ----------------------------------------
+@pytest.mark.timeout(60)
+def test_a_round_costs_one_request_timeout_connects_included(masters: ServerSet) -> None:
+    """A cold round through a black-holing proxy (connection accepted, nothing ever answered) and
+    a slow one (each round trip 0.8 request_timeout) ends within one request_timeout: the connect
+    and the reply share the round's deadline."""
+    timeout = 0.3
+    with Proxy(masters[3].address) as silent, Proxy(masters[4].address) as slow:
+        silent.blackhole()
+        slow.delay(0.4 * timeout)
+        with Redlock([*masters.urls[:3], silent.url, slow.url], retry_count=0, request_timeout=timeout) as rl:
+            lock = rl.lock("one-timeout", ttl=10)
+            started = time.monotonic()
+            assert lock.acquire(blocking=False), lock.last_error
+            elapsed = time.monotonic() - started
+            assert kinds(lock.last_votes)[:3] == ["yes"] * 3
+            assert elapsed < timeout + SLACK, f"{elapsed:.3f}s for one try"
+            lock.release(linger=False)
+
+
+@pytest.fixture
+def unreachable() -> Iterator[str]:
+    """A URL whose TCP connect never completes: a listener whose one-place backlog is full, so
+    the kernel drops every further SYN (what a firewall that drops packets does)."""
+    with socket.socket() as listener, socket.socket() as occupant:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        host, port = listener.getsockname()
+        occupant.connect((host, port))  # never accepted: it fills the backlog
+        yield f"redis://{host}:{port}/0"
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_that_never_completes_and_a_silent_master_cost_one_request_timeout(
+    masters: ServerSet, unreachable: str
+) -> None:
+    """One master's connect and another's reply cannot add up: a master whose connect failed is
+    retried off the round's path, and the silent one costs the round's one deadline."""
+    timeout = 0.3
+    with (
+        Proxy(masters[4].address) as silent,
+        Redlock([*masters.urls[:3], unreachable, silent.url], retry_count=0, request_timeout=timeout) as rl,
+    ):
+        first = rl.lock("warm", ttl=10)
+        assert first.acquire(blocking=False)
+        assert kinds(first.last_votes) == ["yes", "yes", "yes", "error", "yes"]
+        first.release(linger=False)
+        time.sleep(2 * timeout)  # any cool-down of the failed connect has passed
+        silent.blackhole()
+        lock = rl.lock("two-faults", ttl=10)
+        started = time.monotonic()
+        assert lock.acquire(blocking=False), lock.last_error
+        elapsed = time.monotonic() - started
+        assert elapsed < timeout + SLACK, f"{elapsed:.3f}s for one try"
+        lock.release(linger=False)
+
+
+# -- 2. links the server closed while idle --------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_idle_closed_links_are_replaced_before_they_vote(idle_timeout: ServerSet) -> None:
+    with Redlock(idle_timeout.urls, retry_count=0) as rl:
+        warm = rl.lock("idle-vote", ttl=10)
+        assert warm.acquire(blocking=False)
+        warm.release(linger=False)
+        wait_until_idle_closed(idle_timeout)
+        lock = rl.lock("idle-vote", ttl=10)
+        assert lock.acquire(blocking=False), lock.last_error
+        assert kinds(lock.last_votes) == ["yes"] * 5
+        lock.release(linger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_release_on_idle_closed_links_deletes_the_keys(idle_timeout: ServerSet) -> None:
+    with Redlock(idle_timeout.urls, retry_count=0) as rl:
+        lock = rl.lock("idle-release", ttl=30)
+        assert lock.acquire(blocking=False)
+        wait_until_idle_closed(idle_timeout)
+        lock.release(linger=False)
+        assert wait_for(lambda: none_left(idle_timeout, "redlock:idle-release"), 1.0)
+        with Redlock(idle_timeout.urls, retry_count=0) as probe:
+            again = probe.lock("idle-release", ttl=30)
+            assert again.acquire(blocking=False), again.last_error
+            again.release(linger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_release_after_client_kill_deletes_the_keys(masters: ServerSet) -> None:
+    with Redlock(masters.urls, retry_count=0) as rl:
+        lock = rl.lock("killed-links", ttl=30)
+        assert lock.acquire(blocking=False)
+        kill_clients(masters)
+        lock.release(linger=False)
+        assert wait_for(lambda: none_left(masters, "redlock:killed-links"), 1.0), keys_on(masters)
+        again = rl.lock("killed-links", ttl=30)
+        assert again.acquire(blocking=False), again.last_error
+        assert kinds(again.last_votes) == ["yes"] * 5
+        again.release(linger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_lingering_release_rides_on_the_links_that_replace_killed_ones(masters: ServerSet) -> None:
+    """A release waiting to travel with the next round goes out on that round's new links, in
+    front of its command, when the old ones were closed by the servers."""
+    with Redlock(masters.urls, retry_count=0, release_linger=0.5) as rl:
+        first = rl.lock("carried-first", ttl=30)
+        assert first.acquire(blocking=False)
+        first.release()  # lingers, to ride with the next round
+        kill_clients(masters)
+        second = rl.lock("carried-second", ttl=30)
+        assert second.acquire(blocking=False), second.last_error
+        assert kinds(second.last_votes) == ["yes"] * 5
+        # Sent in front of the acquire on every link, so applied before the acquire was answered.
+        assert none_left(masters, "redlock:carried-first"), keys_on(masters)
+        second.release(linger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_release_after_a_master_restart_deletes_the_keys(masters: ServerSet) -> None:
+    with RedisServer(persistent=True) as durable:
+        urls = [*masters.urls[:4], durable.url]
+        with Redlock(urls, retry_count=0) as rl:
+            lock = rl.lock("restarted", ttl=30)
+            assert lock.acquire(blocking=False)
+            durable.restart(keep_data=True)
+            client = durable.client()
+            try:
+                assert client.exists("redlock:restarted") == 1  # the lock survived the restart
+                lock.release(linger=False)
+                assert wait_for(lambda: client.exists("redlock:restarted") == 0, 1.0)
+            finally:
+                client.close()
+            assert wait_for(lambda: none_left(masters, "redlock:restarted"), 1.0)
+
+
+# -- 3. a dead master costs nothing per round, and rejoins within the backoff cap ----------------
+@pytest.mark.timeout(60)
+def test_a_dead_master_costs_a_round_nothing_and_rejoins(masters: ServerSet) -> None:
+    """200 acquire+release tries with one master of five stopped cost about what they cost with
+    all up (timed in alternating blocks, so both see the same machine load); once the master is
+    back, its vote counts again within the backoff cap."""
+    with (
+        RedisServer() as doomed,
+        Redlock(masters.urls, retry_count=0) as healthy,
+        Redlock([*masters.urls[:4], doomed.url], retry_count=0) as hurt,
+    ):
+        locks = {"all up": healthy.lock("degraded", ttl=10), "one stopped": hurt.lock("degraded", ttl=10)}
+        spent = dict.fromkeys(locks, 0.0)
+
+        def run(name: str, tries: int) -> None:
+            lock = locks[name]
+            started = time.monotonic()
+            for _ in range(tries):
+                assert lock.acquire(blocking=False), lock.last_error
+                lock.release(linger=False)
+            spent[name] += time.monotonic() - started
+
+        for name in locks:
+            run(name, 20)  # every link made while all masters are up
+        doomed.kill()
+        spent = dict.fromkeys(locks, 0.0)
+        for block in range(10):
+            for name in locks if block % 2 == 0 else reversed(list(locks)):
+                run(name, 20)
+        assert kinds(locks["one stopped"].last_votes) == ["yes", "yes", "yes", "yes", "error"]
+        # A refused connect attempted on every round costs several times a whole healthy round;
+        # a master known to be down costs a few attribute reads.
+        assert spent["one stopped"] < 2 * spent["all up"] + 0.05, spent
+
+        doomed.start()
+        # Reconnected in the background, with no round asking: the next round finds it back.
+        # (Wait for the retry to finish its handshake, not for the server to see the TCP connect:
+        # the server lists the client a moment before the master counts as up again.)
+        assert wait_for(lambda: clients_of(doomed) > 0, master_module.BACKOFF_CAP + 0.5)
+        assert wait_for(lambda: hurt.masters[4].unavailable() == "", 1.0)
+        lock = locks["one stopped"]
+        assert lock.acquire(blocking=False), lock.last_error
+        assert kinds(lock.last_votes) == ["yes"] * 5
+        lock.release(linger=False)
+
+
+# -- 4. lingering releases at interpreter exit ----------------------------------------------------
+CHILD = """
+import sys
+import redis
+from celery_redlock import Redlock
+
+urls = sys.argv[2:]
+rl = Redlock(urls, retry_count=0, release_linger=0.5)
+lock = rl.lock("exit-flush", ttl=30)
+assert lock.acquire(blocking=False), lock.last_error
+if sys.argv[1] == "killed":  # the servers close this process's links
+    for url in urls:
+        client = redis.Redis.from_url(url)
+        client.client_kill_filter(_type="normal", skipme=True)
+        client.close()
+else:  # this process closes them
+    for master in rl.masters:
+        master.close()
+lock.release()  # lingers; the process exits long before the linger is over
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("links", ["killed", "closed"])
+def test_lingering_releases_are_delivered_at_exit_on_new_links(masters: ServerSet, links: str) -> None:
+    """The flush at exit must make new links, after concurrent.futures has stopped taking work."""
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), links, *masters.urls],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert child.returncode == 0, child.stderr
+    # Far less than the TTL (30 s): the release came with the exit, not with expiry.
+    assert wait_for(lambda: none_left(masters, "redlock:exit-flush"), 0.5), keys_on(masters)
+
+
+# -- 5. two masters that are one server -----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_two_masters_that_are_one_server_stop_the_redlock_granting(masters: ServerSet) -> None:
+    """A proxy hides that two URLs lead to one server (another database of it, even): only the
+    server's own run_id, learnt at first contact, tells. The Redlock then refuses to count votes."""
+    with Proxy(masters[3].address) as alias:
+        alias_url = f"redis://{alias.address}/1"
+        urls = [*masters.urls[:4], alias_url]
+        with Redlock(urls, retry_count=0) as rl:
+            for attempt in range(3):
+                lock = rl.lock(f"aliased-{attempt}", ttl=30)
+                try:
+                    acquired = lock.acquire(blocking=False)
+                except ConfigError as error:
+                    message = str(error)
+                    assert masters[3].address in message and alias.address in message, message
+                else:
+                    assert not acquired, f"granted with one server counted twice: {lock.last_votes}"
+            with pytest.raises(ConfigError):
+                rl.lock("aliased-later", ttl=30).acquire(blocking=False)
+        for db in (0, 1):
+            client = masters[3].client(db=db)
+            try:
+                assert not client.keys("redlock:aliased*")
+            finally:
+                client.close()
+        assert none_left(masters, "redlock:aliased*")

@@ -1,0 +1,238 @@
+"""A forked child can lock, even when another thread of its parent held one of our mutexes.
+
+Only the thread that calls ``fork`` goes on in the child; a mutex that another thread held at
+that moment stays held there for ever, and the child's first ``with`` on it hangs. A prefork
+worker forks while its heartbeat, linger ticker and connect threads run, so each mutex and
+condition of the package is replaced in the child (``celery_redlock._fork``). Each case below
+holds one of them in a second thread across ``os.fork()`` and has the child take, extend and
+release a *new* lock through the code that uses that mutex, within a bounded time; the parent
+kills a child that hangs. The parent's own connections must still work afterwards: a child
+that read from or shut down a socket it inherited would leave them broken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from celery import Celery
+
+import celery_redlock.celery.beat as beat_module
+import celery_redlock.celery.held as held_module
+import celery_redlock.celery.settings as settings_module
+import celery_redlock.lock.heartbeat as heartbeat_module
+import celery_redlock.lock.masters as masters_module
+from celery_redlock import Lock, Redlock
+from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
+from celery_redlock.testing import ServerSet
+
+from .conftest import values_on
+
+# How long a child may take to lock and report; a child that hangs on a mutex never does.
+CHILD_DEADLINE = 15.0
+
+
+@contextlib.contextmanager
+def held_by_another_thread(*mutexes: Any) -> Iterator[None]:
+    """Each of ``mutexes`` (a Lock or a Condition) held by a thread of its own meanwhile."""
+    release = threading.Event()
+    threads = []
+    for mutex in mutexes:
+        taken = threading.Event()
+
+        def hold(mutex: Any = mutex, taken: threading.Event = taken) -> None:
+            with mutex:
+                taken.set()
+                release.wait()
+
+        thread = threading.Thread(target=hold, name="holds-a-mutex-across-fork", daemon=True)
+        thread.start()
+        assert taken.wait(5), f"{mutex!r} could not be taken"
+        threads.append(thread)
+    try:
+        yield
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(5)
+
+
+def in_child(work: Callable[[], str]) -> str:
+    """Run ``work`` in a forked child; what it returned, or why it failed or hung."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: report and leave without running any cleanup
+        os.close(read)
+        try:
+            report = work()
+        except BaseException as exc:  # everything must reach the parent, not a traceback
+            report = f"{type(exc).__name__}: {exc}"
+        os.write(write, report.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    try:
+        ready, _, _ = select.select([read], [], [], CHILD_DEADLINE)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+            return f"hung for {CHILD_DEADLINE} s"
+        return os.read(read, 4096).decode() or "exited without a report"
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+
+
+def take_a_new_lock(
+    redlock: Redlock, name: str, heartbeat: Heartbeat | None = None, linger: bool = False
+) -> str:
+    """Acquire, extend (keep alive through ``heartbeat``, if given) and release ``name``."""
+    lock = redlock.lock(name, ttl=5)
+    if not lock.acquire(blocking=False):
+        return f"not acquired: {lock.last_error}"
+    if not lock.extend():
+        return "not extended"
+    if heartbeat is not None:
+        heartbeat.keep(lock, interval=1)
+        heartbeat.forget(lock)
+    lock.release(linger=linger)
+    redlock.flush_releases()
+    return "ok"
+
+
+def warm(redlock: Redlock) -> None:
+    """Give every master idle connections, as a busy parent's would have at the fork."""
+    lock = redlock.lock("fork-warm", ttl=5)
+    assert lock.acquire(blocking=False), lock.last_error
+    lock.release(linger=False)
+
+
+def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], work: Callable[[], str]) -> None:
+    warm(rl)
+    with held_by_another_thread(*mutexes):
+        started = time.monotonic()
+        report = in_child(work)
+    assert report == "ok", report
+    assert time.monotonic() - started < CHILD_DEADLINE
+    assert set(values_on(masters, f"redlock:{name}").values()) == {None}  # the child released
+    # The parent's inherited connections were left alone by the child: they still work.
+    parent_lock = rl.lock(name, ttl=5)
+    assert parent_lock.acquire(blocking=False), parent_lock.last_error
+    assert [v.kind for v in parent_lock.last_votes] == ["yes"] * len(masters)
+    parent_lock.release(linger=False)
+
+
+def test_a_master_mutex(masters: ServerSet, rl: Redlock) -> None:
+    def work() -> str:
+        inherited = sum(len(m._idle) + len(m._owing) for m in rl.masters)
+        if inherited:
+            return f"the child kept {inherited} of its parent's connections"
+        report = take_a_new_lock(rl, "fork-master")
+        rl.close()  # takes every Master's mutex
+        return report
+
+    run_case(masters, rl, "fork-master", [m._mutex for m in rl.masters], work)
+
+
+def test_the_connector_mutex(masters: ServerSet, rl: Redlock) -> None:
+    # The child has no connection of its own: its first round connects to all five masters at
+    # once, through the connector pool and its mutex.
+    run_case(
+        masters,
+        rl,
+        "fork-connect",
+        [masters_module._connector_mutex],
+        lambda: take_a_new_lock(rl, "fork-connect"),
+    )
+
+
+def test_a_lingering_condition(masters: ServerSet, rl: Redlock) -> None:
+    with Redlock(masters.urls, retry_count=0, release_linger=0.5) as lingering:
+        held_back = lingering._lingering
+        assert held_back is not None
+        # A release of the parent's waits at the fork (its ticker is kept from sending it by
+        # the held condition): it is the parent's to send, never the child's.
+        parents = lingering.lock("fork-linger-parent", ttl=5)
+        assert parents.acquire(blocking=False), parents.last_error
+        parents.release()
+
+        def work() -> str:
+            inherited = held_back.take()
+            if inherited:
+                return f"the child was left {len(inherited)} of its parent's releases"
+            return take_a_new_lock(lingering, "fork-linger", linger=True)
+
+        run_case(masters, rl, "fork-linger", [held_back._cond], work)
+        lingering.flush_releases()
+        assert set(values_on(masters, "redlock:fork-linger-parent").values()) == {None}
+
+
+def test_a_heartbeat_condition(masters: ServerSet, rl: Redlock) -> None:
+    heartbeat = Heartbeat(name="fork-test-heartbeat")
+    try:
+        run_case(
+            masters,
+            rl,
+            "fork-heartbeat",
+            [heartbeat._cond],
+            lambda: take_a_new_lock(rl, "fork-heartbeat", heartbeat),
+        )
+    finally:
+        heartbeat.stop()
+
+
+def test_the_process_heartbeat(masters: ServerSet, rl: Redlock) -> None:
+    kept = process_heartbeat()
+    run_case(
+        masters,
+        rl,
+        "fork-process-heartbeat",
+        [heartbeat_module._process_mutex, kept._cond],
+        lambda: take_a_new_lock(rl, "fork-process-heartbeat", process_heartbeat()),
+    )
+
+
+def test_the_settings_cache_lock(masters: ServerSet, rl: Redlock) -> None:
+    app = Celery("fork-test", set_as_current=False)
+    app.conf.redlock_masters = masters.urls
+    _, parents = settings_module.app_redlock(app)
+
+    def work() -> str:
+        _, own = settings_module.app_redlock(app)
+        if own is parents:
+            return "the child was given its parent's Redlock"
+        report = take_a_new_lock(own, "fork-settings")
+        settings_module.close_app_redlock(app)
+        return report
+
+    try:
+        run_case(masters, rl, "fork-settings", [settings_module._cache_lock], work)
+    finally:
+        settings_module.close_app_redlock(app)
+
+
+def test_the_held_registry_mutex(masters: ServerSet, rl: Redlock) -> None:
+    def work() -> str:
+        lock: Lock = rl.lock("fork-held", ttl=5)
+        if not lock.acquire(blocking=False):
+            return f"not acquired: {lock.last_error}"
+        held = held_module.Held(lock, "fork-task", time.monotonic(), expire=False)
+        held_module.register(held)
+        released = held_module.release_all("test")  # takes the registry's mutex
+        return "ok" if released == 1 else f"released {released} locks, expected 1"
+
+    run_case(masters, rl, "fork-held", [held_module._held_mutex], work)
+
+
+def test_the_beat_class_mutex(masters: ServerSet, rl: Redlock) -> None:
+    from celery.beat import PersistentScheduler
+
+    def work() -> str:
+        beat_module._wrap(PersistentScheduler)  # takes the mutex of the wrapped classes
+        return take_a_new_lock(rl, "fork-beat")
+
+    run_case(masters, rl, "fork-beat", [beat_module._wrapped_mutex], work)

@@ -1,0 +1,464 @@
+"""What a Lock promises about itself: how long it is good for, whose it is, what it leaves behind.
+
+Each test is named after a review finding and reproduces it on real servers:
+
+- an extension to a shorter TTL, granted or not, may have shortened the keys on any master, so
+  the validity afterwards never exceeds what the new TTL allows;
+- a lock belongs to the process that acquired it: a forked child neither owns, extends nor
+  releases its parent's lock (it may take the lock anew, as a contender of its own);
+- ``acquire()`` returning True means ``owned()`` is True: the validity counts from before the
+  round made its connections;
+- a TTL that no round could honour is refused where it is written;
+- the validity is read on a clock that keeps counting while the host is suspended;
+- a Redlock dropped without ``close()`` leaves no thread and no socket behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+import celery_redlock
+from celery_redlock import ConfigError, Lock, LockLost, Redlock
+from celery_redlock.testing import ProxySet, ServerSet
+
+from .conftest import values_on, wait_for
+
+CHILD_DEADLINE = 10.0
+LOCK_DIR = Path(celery_redlock.__file__).parent / "lock"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def probe_can_acquire(masters: ServerSet, name: str) -> bool:
+    """Whether an independent client can take ``name`` now (released again at once)."""
+    with Redlock(masters.urls, retry_count=0) as probe:
+        lock = probe.lock(name, ttl=1.0)
+        if lock.acquire(blocking=False):
+            lock.release(linger=False)
+            return True
+        return False
+
+
+def holds_token(masters: ServerSet, lock: Lock) -> int:
+    """How many masters hold ``lock``'s key with its token."""
+    token = lock.token
+    assert token is not None
+    return sum(1 for value in values_on(masters, lock.key).values() if value == token.encode())
+
+
+def in_child(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``work`` in a forked child; its report, or why it failed or hung (killed by pid)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: report and leave without running any cleanup
+        os.close(read)
+        try:
+            report = work()
+        except BaseException as exc:  # everything must reach the parent, not a traceback
+            report = {"raised": f"{type(exc).__name__}: {exc}"}
+        os.write(write, json.dumps(report).encode()[:60000])
+        os._exit(0)
+    os.close(write)
+    return read_report(read, pid)
+
+
+def read_report(read: int, pid: int) -> dict[str, Any]:
+    chunks = []
+    try:
+        deadline = time.monotonic() + CHILD_DEADLINE
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                os.kill(pid, signal.SIGKILL)
+                return {"hung": CHILD_DEADLINE}
+            ready, _, _ = select.select([read], [], [], remaining)
+            if ready:
+                data = os.read(read, 65536)
+                if not data:
+                    break
+                chunks.append(data)
+    finally:
+        os.close(read)
+        os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks) or b'{"exited": "without a report"}')
+
+
+class StallsAfterTheRound(Redlock):
+    """A holder that stalls (a long GC, a SIGSTOP) after the masters answered an extension and
+    before it looks at the answer: by then the new, shorter TTL has run out on every master."""
+
+    stall = 0.5
+
+    def try_extend(self, key: str, token: str, ttl: float) -> Any:
+        result = super().try_extend(key, token, ttl)
+        time.sleep(self.stall)
+        return result
+
+
+# -- 1. extending to a shorter TTL -----------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_extend_to_a_shorter_ttl_granted_by_every_master_shortens_the_validity(
+    masters: ServerSet, rl: Redlock
+) -> None:
+    lock = rl.lock("short-extend-granted", ttl=30)
+    assert lock.acquire(blocking=False), lock.last_error
+    started = time.monotonic()
+    assert lock.extend(ttl=0.3)
+    assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
+    assert 0 < lock.validity <= 0.3 - (time.monotonic() - started) + 0.001, lock.validity
+    # The keys expire 0.3 s after the extension; so does the holder's claim, no later.
+    assert wait_for(lambda: probe_can_acquire(masters, "short-extend-granted"), 5.0)
+    assert not lock.owned()
+    lock.release()
+
+
+@pytest.mark.timeout(30)
+def test_extend_to_a_shorter_ttl_granted_but_read_too_late_keeps_the_old_validity(
+    masters: ServerSet,
+) -> None:
+    with StallsAfterTheRound(masters.urls, retry_count=0) as rl:
+        lock = rl.lock("short-extend-stalled", ttl=30)
+        assert lock.acquire(blocking=False), lock.last_error
+        extended = lock.extend(ttl=0.3)
+        # Every master granted 0.3 s, and the holder stalled longer than that before looking.
+        assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
+        assert probe_can_acquire(masters, "short-extend-stalled")
+        assert not extended, "extend() returned True for keys that had already expired"
+        assert not lock.owned(), f"owned with {lock.validity:.3f} s left after the keys expired"
+        assert lock.validity == 0.0
+        lock.release()
+
+
+@pytest.mark.timeout(30)
+def test_extend_to_a_shorter_ttl_that_fails_keeps_the_old_validity(masters: ServerSet) -> None:
+    name = "short-extend-failed"
+    with Redlock(masters.urls, retry_count=0, request_timeout=0.05) as rl:
+        lock = rl.lock(name, ttl=30)
+        assert lock.acquire(blocking=False), lock.last_error
+        paused = list(masters)[:3]
+        for server in paused:
+            server.pause()
+        try:
+            started = time.monotonic()
+            # Two masters apply the 0.2 s TTL now; the three paused ones when they resume.
+            assert not lock.extend(ttl=0.2)
+            assert [v.kind for v in lock.last_votes].count("timeout") == 3, lock.last_votes
+            # Whatever the attempt returned, any master may have applied the new TTL.
+            assert lock.validity <= 0.2 - (time.monotonic() - started) + 0.001, lock.validity
+        finally:
+            for server in paused:
+                server.resume()
+        # The paused masters applied 0.2 s on resuming: the key is free 0.2 s later.
+        assert wait_for(lambda: probe_can_acquire(masters, name), 5.0)
+        assert not lock.owned(), f"owned with {lock.validity:.3f} s left while another client acquired"
+        lock.release()
+
+
+# -- 2. a forked child and its parent's lock -------------------------------------------------------
+def assert_still_the_parents(masters: ServerSet, lock: Lock) -> None:
+    assert lock.owned()
+    assert holds_token(masters, lock) == len(masters), values_on(masters, lock.key)
+    assert not probe_can_acquire(masters, lock.name)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_leaving_with_by_sys_exit_releases_its_parents_lock(
+    masters: ServerSet, rl: Redlock
+) -> None:
+    parent = os.getpid()
+    lock = rl.lock("fork-with", ttl=30)
+    read, write = os.pipe()
+    try:
+        with lock:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child: leave the block as a program would
+                os.close(read)
+                sys.exit(0)
+            os.close(write)
+            report = read_report(read, pid)
+            assert report == {"unwound": True, "owned": False}, report
+            assert_still_the_parents(masters, lock)
+    except SystemExit:  # pragma: no cover - only the child gets here, after `with` unwound
+        if os.getpid() == parent:
+            raise
+        os.write(write, json.dumps({"unwound": True, "owned": lock.owned()}).encode())
+        os._exit(0)
+    except BaseException:  # pragma: no cover - the child must never run on into pytest
+        if os.getpid() != parent:
+            os._exit(1)
+        raise
+    assert set(values_on(masters, lock.key).values()) == {None}
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_calling_release_releases_its_parents_lock(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("fork-release", ttl=30)
+    assert lock.acquire(blocking=False), lock.last_error
+
+    def work() -> dict[str, Any]:
+        lock.release(linger=False)
+        lock.release()
+        rl.flush_releases()
+        return {"released": True}
+
+    assert in_child(work) == {"released": True}
+    assert_still_the_parents(masters, lock)
+    lock.release(linger=False)
+    assert wait_for(lambda: probe_can_acquire(masters, "fork-release"), 5.0)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_owns_and_extends_its_parents_lock(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("fork-extend", ttl=30)
+    assert lock.acquire(blocking=False), lock.last_error
+
+    def work() -> dict[str, Any]:
+        report: dict[str, Any] = {
+            "owned": lock.owned(),
+            "validity": lock.validity,
+            "token": lock.token,
+            "extended": lock.extend(),
+            "extended_short": lock.extend(ttl=0.5),
+        }
+        try:
+            lock.ensure()
+            report["ensure"] = "passed"
+        except LockLost as exc:
+            report["ensure"] = exc.reason
+        return report
+
+    report = in_child(work)
+    assert report["owned"] is False, report
+    assert report["validity"] == 0.0, report
+    assert report["token"] is None, report
+    assert report["extended"] is False and report["extended_short"] is False, report
+    assert "another process" in report["ensure"], report
+    assert_still_the_parents(masters, lock)
+    assert lock.validity > 29.0, "the child's extend(ttl=0.5) reached the masters"
+    lock.release(linger=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_may_take_its_parents_lock_only_anew(masters: ServerSet, rl: Redlock) -> None:
+    lock = rl.lock("fork-acquire", ttl=30)
+    assert lock.acquire(blocking=False), lock.last_error
+
+    def work() -> dict[str, Any]:
+        # A contender of its own: refused while the parent holds the lock...
+        report: dict[str, Any] = {"while_held": lock.acquire(blocking=False)}
+        report["votes"] = [v.kind for v in lock.last_votes]
+        # ...and the owner of a new token once the parent let go.
+        report["after"] = lock.acquire(timeout=5)
+        report["owned"] = lock.owned()
+        report["token"] = lock.token
+        lock.release(linger=False)
+        return report
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            report = work()
+        except BaseException as exc:
+            report = {"raised": f"{type(exc).__name__}: {exc}"}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    parents_token = lock.token
+    # The child tries first while the parent holds it, then retries for up to 5 s.
+    time.sleep(0.3)
+    assert lock.owned()
+    lock.release(linger=False)
+    report = read_report(read, pid)
+    assert report.get("while_held") is False, report
+    assert report["votes"] == ["held"] * len(masters), report
+    assert report["after"] is True and report["owned"] is True, report
+    assert report["token"] != parents_token
+    assert not lock.owned()
+
+
+# -- 3. acquire() True while owned() is False ----------------------------------------------------
+@pytest.mark.timeout(30)
+def test_acquire_true_while_owned_false_when_connecting_is_slow(masters: ServerSet) -> None:
+    # Replies are held 0.2 s by the proxies: a new connection's handshake (two round trips in
+    # redis-py's) takes 0.4 s and the SET another 0.2 s, each within the request timeout, so
+    # every master grants; only the round as a whole outlasts the 0.52 s TTL.
+    ttl, request_timeout, delay = 0.52, 0.5, 0.2
+    with ProxySet([server.address for server in masters]) as proxies:
+        for proxy in proxies:
+            proxy.delay(delay, "down")
+        with Redlock(proxies.urls, retry_count=0, request_timeout=request_timeout) as rl:
+            lock = rl.lock("slow-connect", ttl=ttl)
+            started = time.monotonic()
+            acquired = lock.acquire(blocking=False)
+            took = time.monotonic() - started
+            owned, validity = lock.owned(), lock.validity
+            if acquired:
+                assert owned, f"acquire() returned True after {took:.3f} s but owned() is False"
+                assert validity <= ttl - took, (validity, took)
+            if took > ttl:
+                assert not acquired, f"acquired after {took:.3f} s, longer than the TTL"
+            lock.release(linger=False)
+            proxies.heal()
+
+
+# -- 4. a TTL no round can honour --------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_a_ttl_below_what_the_algorithm_can_honour_is_refused(masters: ServerSet) -> None:
+    # (2 ms drift floor + 0.1 s request timeout) / (1 - 0.01 drift factor), up to the next ms.
+    minimum = 0.104
+    says = re.compile(r"ttl must be at least 0\.104 seconds")
+    with pytest.raises(ConfigError, match=says):
+        Redlock(masters.urls, ttl=0.05)
+    with Redlock(masters.urls, retry_count=0) as rl:
+        assert rl.min_ttl == pytest.approx(minimum)
+        with pytest.raises(ConfigError, match=says):
+            rl.lock("too-short", ttl=0.1)
+        lock = rl.lock("just-long-enough", ttl=minimum)
+        assert lock.acquire(blocking=False), lock.last_error
+        with pytest.raises(ConfigError, match=says):
+            lock.extend(ttl=0.002)
+        assert lock.owned()
+        lock.release(linger=False)
+    # The minimum follows the request timeout and the drift factor.
+    with Redlock(masters.urls, request_timeout=0.01, drift_factor=0.1, ttl=0.02) as fast:
+        assert fast.min_ttl == pytest.approx(0.014)
+        with pytest.raises(ConfigError, match=r"at least 0\.014 seconds"):
+            fast.lock("x", ttl=0.013)
+
+
+# -- 5. the clock ------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_validity_is_counted_on_a_clock_that_stops_while_the_host_is_suspended() -> None:
+    # Every reading of time in the lock goes through clock.now(); masters.py times only its
+    # own round trips, which a suspend fails anyway.
+    for module in ("redlock.py", "heartbeat.py", "linger.py"):
+        source = (LOCK_DIR / module).read_text()
+        others = re.findall(r"time\.(?:monotonic|time|perf_counter)\w*\(", source)
+        assert not others, f"lock/{module} reads {others}, not clock.now()"
+    from celery_redlock.lock import clock
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("CLOCK_BOOTTIME is Linux's")
+    assert abs(clock.now() - time.clock_gettime(time.CLOCK_BOOTTIME)) < 0.01
+    # In a time namespace whose boot clock is 10^5 s ahead of its monotonic clock, now() is the
+    # boot clock: the one that counts the time a suspended host spent asleep.
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no unshare(1) to make a time namespace")
+    code = "import time; from celery_redlock.lock.clock import now; print(now() - time.monotonic())"
+    run = subprocess.run(
+        [unshare, "--time", "--boottime", "100000", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    if run.returncode != 0:
+        pytest.skip(f"no time namespace here: {run.stderr.strip()[-200:]}")
+    assert float(run.stdout) == pytest.approx(100000, abs=1)
+
+
+# -- 6. leftovers of a Redlock dropped without close() ----------------------------------------------
+def connections_to(ports: set[int]) -> list[Any]:
+    """This process's TCP connections to any of ``ports``."""
+    return [
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.raddr and c.raddr.port in ports and c.status != psutil.CONN_CLOSE_WAIT
+    ]
+
+
+@contextlib.contextmanager
+def proxied(masters: ServerSet) -> Iterator[ProxySet]:
+    # Ports that only the Redlock under test connects to (other Redlocks of this process reach
+    # the masters directly).
+    with ProxySet([server.address for server in masters]) as proxies:
+        yield proxies
+
+
+@pytest.mark.timeout(30)
+def test_a_redlock_dropped_without_close_leaves_its_thread_and_sockets_behind(masters: ServerSet) -> None:
+    with proxied(masters) as proxies:
+        ports = {proxy.port for proxy in proxies}
+        before = set(threading.enumerate())
+        rl = Redlock(proxies.urls, retry_count=0, release_linger=0.5)
+        lock = rl.lock("dropped", ttl=30)
+        assert lock.acquire(blocking=False), lock.last_error
+        key = lock.key
+        lock.release()  # lingers: the ticker thread is started
+        started = [t for t in threading.enumerate() if t not in before and t.name == "redlock-linger"]
+        assert started, "no linger ticker was started"
+        assert len(connections_to(ports)) == len(masters)
+        gone = weakref.ref(rl)
+        del rl, lock
+        gc.collect()
+        assert wait_for(lambda: gone() is None, 5.0), "the Redlock is kept alive: " + repr(
+            [type(r).__name__ for r in gc.get_referrers(gone())]
+        )
+        assert wait_for(lambda: not any(t.is_alive() for t in started), 5.0), "the ticker lives on"
+        assert wait_for(lambda: not connections_to(ports), 5.0), connections_to(ports)
+        # The release it held back went out when it was collected.
+        assert wait_for(lambda: set(values_on(masters, key).values()) == {None}, 5.0)
+
+
+@pytest.mark.timeout(30)
+def test_close_is_idempotent_and_the_redlock_usable_after_it(masters: ServerSet) -> None:
+    with proxied(masters) as proxies:
+        ports = {proxy.port for proxy in proxies}
+        rl = Redlock(proxies.urls, retry_count=0, release_linger=0.5)
+        for _ in range(2):
+            lock = rl.lock("closed", ttl=30)
+            assert lock.acquire(blocking=False), lock.last_error
+            lock.release()
+            rl.close()
+            rl.close()
+            assert set(values_on(masters, lock.key).values()) == {None}
+            assert wait_for(lambda: not connections_to(ports), 5.0), connections_to(ports)
+
+
+@pytest.mark.timeout(30)
+def test_a_redlock_dropped_with_a_master_down_leaves_its_threads_behind(masters: ServerSet) -> None:
+    # A master that refuses connections is retried in the background; that too ends with the
+    # Redlock. The connect pool is the process's, shared by every Redlock, and is not counted.
+    with proxied(masters) as proxies:
+        ports = {proxy.port for proxy in proxies}
+        proxies[4].cut()
+        before = set(threading.enumerate())
+        rl = Redlock(proxies.urls, retry_count=0, release_linger=0.5)
+        lock = rl.lock("dropped-down", ttl=30)
+        assert lock.acquire(blocking=False), lock.last_error
+        assert [v.kind for v in lock.last_votes][:4] == ["yes"] * 4
+        lock.release()
+        gone = weakref.ref(rl)
+        del rl, lock
+        gc.collect()
+        assert wait_for(lambda: gone() is None, 5.0), "the Redlock is kept alive"
+
+        def started_and_alive() -> list[str]:
+            return [
+                t.name
+                for t in threading.enumerate()
+                if t not in before and t.is_alive() and not t.name.startswith("redlock-connect")
+            ]
+
+        assert wait_for(lambda: not started_and_alive(), 5.0), started_and_alive()
+        assert wait_for(lambda: not connections_to(ports), 5.0), connections_to(ports)
+        proxies[4].heal()
