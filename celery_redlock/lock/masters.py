@@ -27,10 +27,10 @@ The connect path, and its words:
   timeout, so it never runs on a round's path); the round's first command waits for it by that
   command's own deadline and goes out on it as soon as it is there. A connect still under way
   at the deadline goes on: its link is *fresh*, kept for a later round.
-- An idle link is *checked* before it carries anything: one ``poll(0)``, no round trip, tells
-  a link whose owed replies have arrived (they are read) from one the master closed while it
-  sat idle (its ``timeout``, ``CLIENT KILL``, a restart), which is dropped and replaced within
-  the round: a vote or a release written to it would be lost.
+- An idle link is *checked* before it carries anything: one ``poll(0)`` over all the round's
+  links, no round trip, tells a link whose owed replies have arrived (they are read) from one
+  the master closed while it sat idle (its ``timeout``, ``CLIENT KILL``, a restart), which is
+  dropped and replaced within the round: a vote or a release written to it would be lost.
 - A master whose connect failed is *down*: rounds vote ``error`` for it at once, and its
   connect is retried on a timer thread of its own, after a *backoff* doubling from
   ``BACKOFF_FLOOR`` to ``BACKOFF_CAP``, until one succeeds: the master is up again with that
@@ -194,20 +194,20 @@ class Link:
         self.run_id = ""
 
     def usable(self) -> bool:
-        """Whether this idle link may carry a command: the master has not closed it.
+        """Whether this idle link may carry a command: the master has not closed it. One
+        ``poll(0)``, no round trip (a round checks all its links in one: see :func:`_checked`)."""
+        events = self.poller.poll(0)
+        return not events or self.settle(events[0][1])
 
-        One ``poll(0)`` per link per round, no round trip: a system call (1.7 us measured under
-        gVisor, less on bare Linux), with no measurable change in bench_lock's p50 (a link that
-        owes replies took a ``recv`` before its send anyway; it is now taken here). Nothing to read:
-        usable. Readable: either the replies owed on time have arrived (they are read now, as the
-        next send would have read them), or the master closed or reset the connection while it
-        sat idle (its ``timeout``, ``CLIENT KILL``, a restart), and a command written to it now
+    def settle(self, events: int) -> bool:
+        """Whether an idle link that ``poll`` found with ``events`` may carry a command.
+
+        Readable: either the replies owed on time have arrived (they are read now, as the next
+        send would have read them), or the master closed or reset the connection while it sat
+        idle (its ``timeout``, ``CLIENT KILL``, a restart), and a command written to it now
         would be lost: a release silently.
         """
-        events = self.poller.poll(0)
-        if not events:
-            return True
-        if events[0][1] & _CLOSED:
+        if events & _CLOSED:
             return False
         try:
             self.fill()
@@ -494,15 +494,20 @@ class Master:
         self._delivering = False
 
     def take_idle(self) -> Link | None:
-        """An idle link with no late reply (it may owe replies on time) that the master has not
-        closed, if one is ready. Costs one ``poll(0)`` per link taken (see :meth:`Link.usable`)."""
+        """An idle link with no late reply (it may owe replies on time), if one is ready,
+        *unchecked*: whether the master closed it is for the caller to ask (see :func:`_checked`)."""
         if self._owing:
             self._drain_owing()
         try:
-            link = self._idle.pop()  # list.pop is atomic: the common case needs no mutex
+            return self._idle.pop()  # list.pop is atomic: the common case needs no mutex
         except IndexError:
             return None
-        if link.usable():
+
+    def take_checked(self) -> Link | None:
+        """An idle link as :meth:`take_idle` gives, that the master has not closed (one
+        ``poll(0)`` per link taken); closed ones are dropped."""
+        link = self.take_idle()
+        if link is None or link.usable():
             return link
         link.close()
         return _pop_usable(self._idle)
@@ -629,7 +634,7 @@ class Master:
             return
         try:
             deadline = time.monotonic() + self._request_timeout
-            link = self.take_idle()
+            link = self.take_checked()
             if link is None:
                 link, new = self.take_fresh(), True
             if link is not None and not self._write_unsent(link, deadline):
@@ -815,6 +820,29 @@ def _deliver_to_master(master: weakref.ref[Master]) -> None:
         found._deliver()
 
 
+def _checked(masters: Sequence[Master], links: list[Link | None]) -> list[Link | None]:
+    """``links`` (idle, one per master, unchecked) with every link the master closed replaced by
+    a checked idle link or None. One ``poll(0)`` for them all: no round trip, and one system call
+    per round rather than one per master (a link that owes replies on time is read here, where
+    its next send would have read it; see :meth:`Link.settle`)."""
+    poller = select.poll()
+    for link in links:
+        if link is not None:
+            poller.register(link.sock.fileno(), select.POLLIN | _RDHUP)
+    events = poller.poll(0)
+    if not events:
+        return links
+    by_fd = {link.sock.fileno(): i for i, link in enumerate(links) if link is not None}
+    for fd, event in events:
+        i = by_fd[fd]
+        link = links[i]
+        assert link is not None
+        if not link.settle(event):
+            link.close()
+            links[i] = _pop_usable(masters[i]._idle)
+    return links
+
+
 def _pop_usable(stack: list[Link]) -> Link | None:
     """The newest link of ``stack`` the master has not closed; closed ones are dropped."""
     while stack:
@@ -977,7 +1005,7 @@ class Round:
         self.masters = masters
         self._carry = b"".join(map(_packed, carry)) if carry else b""
         self._carried = len(carry)
-        self.links: list[Link | None] = [master.take_idle() for master in masters]
+        self.links: list[Link | None] = _checked(masters, [master.take_idle() for master in masters])
         self.failures: list[str] = [""] * len(masters)
         if None in self.links:
             self._find_links()
