@@ -62,6 +62,10 @@ class RedlockWarning(UserWarning):
     """A configuration that works but weakens the lock's guarantees."""
 
 
+# Between a token's random part and the holder text stored with it (see Redlock.lock).
+HOLDER_SEPARATOR = "|"
+
+
 def lock_key(prefix: str, name: object) -> str:
     """The key a resource name is stored under; over-long names keep a head and a digest."""
     if not isinstance(name, str):
@@ -162,9 +166,14 @@ class Redlock:
         *,
         timeout: float | None = None,
         blocking: bool = True,
+        holder: str = "",
     ) -> Lock:
-        """A :class:`Lock` for one resource. Nothing is sent until it is acquired."""
-        return Lock(self, name, ttl, timeout=timeout, blocking=blocking)
+        """A :class:`Lock` for one resource. Nothing is sent until it is acquired.
+
+        ``holder``: who takes it (any text without line breaks), stored beside the token so a
+        contender or an operator can ask :meth:`holder` who has the resource.
+        """
+        return Lock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
 
     def flush_releases(self) -> None:
         """Send every lingering release now (see ``release_linger``)."""
@@ -351,6 +360,21 @@ class Redlock:
             outcomes = rnd.call([("GET", key)] * len(self.masters), self.request_timeout)
         return [o.value if o.kind == "ok" else None for o in outcomes]
 
+    def holder(self, name: str) -> str | None:
+        """The ``holder`` text of the lock a quorum of masters holds on resource ``name`` ("" if
+        it was taken without one), or None when no quorum holds one token (free, expiring, or
+        not answering). One round; asked by a contender, never on the way to a lock."""
+        values = self.read_everywhere(lock_key(self.key_prefix, name))
+        counts: dict[bytes, int] = {}
+        for value in values:
+            if value is not None:
+                counts[value] = counts.get(value, 0) + 1
+        for value, held in counts.items():
+            if held >= self.quorum:
+                _, _, text = value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)
+                return text
+        return None
+
     def holders(self, key: str) -> int:
         """How many masters hold ``key`` at all (by any token)."""
         with self._round() as rnd:
@@ -435,6 +459,7 @@ class Lock:
         *,
         timeout: float | None = None,
         blocking: bool = True,
+        holder: str = "",
     ) -> None:
         self.redlock = redlock
         self.key = lock_key(redlock.key_prefix, name)
@@ -443,6 +468,11 @@ class Lock:
         # Checked now, not at the first ``with``, so a bad value fails where it was written.
         self._timeout = None if timeout is None else number("timeout", timeout, at_least=0, unit="seconds")
         self._blocking = blocking
+        if not isinstance(holder, str) or "\n" in holder or "\r" in holder:
+            raise ConfigError(f"holder must be a str without line breaks, got {holder!r}")
+        # Appended to every token of this lock: the token stays unique per acquisition (its
+        # random part), and the stored value also says who took it, in the same SET.
+        self._holder_suffix = HOLDER_SEPARATOR + holder if holder else ""
         self._token: str | None = None
         self._owner = 0  # the pid of the process that acquired the token (see _fork.pid)
         self._valid_until = 0.0
@@ -474,7 +504,8 @@ class Lock:
 
     @property
     def token(self) -> str | None:
-        """The token this process holds the lock by (None if it does not hold it)."""
+        """The token this process holds the lock by (None if it does not hold it): 40 random hex
+        digits, unique per acquisition, then ``HOLDER_SEPARATOR`` and the holder text if any."""
         return self._token if self._owner == pid() else None
 
     @property
@@ -529,7 +560,7 @@ class Lock:
         while True:
             attempts += 1
             # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
-            token = os.urandom(20).hex()
+            token = os.urandom(20).hex() + self._holder_suffix
             with mutex:
                 started = now()
                 validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
