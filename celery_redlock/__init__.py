@@ -34,6 +34,7 @@ _EXPORTS = {
     "process_heartbeat": "celery_redlock.lock.heartbeat",
     "RedlockTask": "celery_redlock.celery.task",
     "RedlockTaskMixin": "celery_redlock.celery.task",
+    "is_skipped": "celery_redlock.celery.task",
 }
 
 __all__ = [
@@ -49,11 +50,12 @@ __all__ = [
     "RedlockWarning",
     "Vote",
     "__version__",
+    "is_skipped",
     "process_heartbeat",
 ]
 
 if TYPE_CHECKING:
-    from .celery.task import RedlockTask, RedlockTaskMixin
+    from .celery.task import RedlockTask, RedlockTaskMixin, is_skipped
     from .errors import ConfigError, LockLost, LockNotAcquired, NotLocked, RedlockError, Vote
     from .lock.heartbeat import process_heartbeat
     from .lock.redlock import Lock, Redlock, RedlockWarning

@@ -6,7 +6,8 @@ RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s
 - ``before_task_publish``: stamps the publish time (:data:`.slots.PUBLISHED_HEADER`)
   into every message that has none, in the publishing process (beat, a web process), so
   ``lock_slot`` can tell which schedule tick a message belongs to.
-- ``worker_init`` (main process): the start-up checks, logged as warnings.
+- ``worker_init`` (main process): the start-up checks. A configuration that would fail every
+  locked run stops the worker before it consumes; what only weakens the locks is logged.
 - ``worker_process_init`` (each prefork child, after fork): builds the child's own Redlock, so
   its connections are made in the child; the heartbeat thread starts on the child's first lock.
 - ``task_postrun``: releases the lock of a run that ended ignored or rejected (no after_return),
@@ -58,7 +59,8 @@ def release_at_shutdown(**_: Any) -> None:
 def prepare_child(**_: Any) -> None:
     from celery import current_app
 
-    # A bad configuration is reported once at worker start; each locked task fails with it.
+    # A bad configuration stopped the worker at start; one made since (a change to app.conf)
+    # fails each locked run with the ConfigError, which is where it is reported.
     with contextlib.suppress(ConfigError):
         app_redlock(current_app)
 

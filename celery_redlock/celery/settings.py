@@ -1,19 +1,35 @@
 """The ``redlock_*`` settings of a Celery app: read, validated, and turned into one Redlock per process.
 
-Settings are read from ``app.conf`` the first time a locked task runs in a process (or at worker
-start, for the start-up checks), and every bad value raises :class:`ConfigError` naming the
-setting. The :class:`Redlock` built from them is cached per app and per process: a prefork
-child forgets its parent's and builds its own, so no two processes ever share a socket to a master.
+Settings are read from ``app.conf`` the first time a locked task runs in a process, and at worker
+start by the start-up checks, which stop a worker whose settings would fail every locked run.
+Every bad value raises :class:`ConfigError` naming the setting. The :class:`Redlock` built from
+them is cached per app and per process: a prefork child forgets its parent's and builds its own,
+so no two processes ever share a socket to a master.
+
+A change to ``app.conf`` after first use is picked up by the next locked run (the README's
+testing recipe sets ``app.conf.redlock_masters`` in each test). Each run compares the raw values
+of the ``redlock_*`` keys in ``app.conf``'s own dict (where every write through ``app.conf``
+lands) with those it last read, plus which dicts ``app.conf`` reads from (so a later
+``config_from_object`` or ``add_defaults`` counts too): a few dict look-ups, where one
+``app.conf.get`` costs several microseconds. A change re-reads and re-validates everything; a
+new Redlock is built only when something it is made of changed, and the old one is closed. A
+lock already held stays on the Redlock that took it, whose masters it is extended and released
+on. A key that looks like one of ours but is not (``redlock_tll``) is logged once per process with
+the closest known name, before the settings are read, so the warning comes first when the typo
+makes a required setting missing.
 
 See ``docs/settings.md`` for the table of settings and task options.
 """
 
 from __future__ import annotations
 
+import difflib
+import itertools
 import logging
+import operator
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._fork import on_fork_in_child, pid
@@ -40,6 +56,22 @@ DEFAULTS: dict[str, Any] = {
     "redlock_max_retries": None,
     "redlock_release_linger": 0.02,
 }
+# Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
+# package reads is known in one place, for the unknown-name warning.
+BEAT_SETTINGS = (
+    "redlock_beat_lock_name",
+    "redlock_beat_lock_ttl",
+    "redlock_beat_min_validity",
+    "redlock_beat_standby_interval",
+    "redlock_beat_scheduler",
+    "redlock_beat_align_intervals",
+)
+KNOWN_SETTINGS = frozenset(DEFAULTS).union(BEAT_SETTINGS)
+
+# The fields of RedlockSettings a Redlock is made of: a change in any of them needs a new one.
+REDLOCK_FIELDS = ("masters", "ttl", "request_timeout", "drift_factor", "key_prefix", "release_linger")
+
+_generations = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -57,6 +89,10 @@ class RedlockSettings:
     retry_backoff_max: float
     max_retries: int | None
     release_linger: float
+    # Unique to each read in this process, and left out of ==: what a cache of values derived
+    # from the settings is keyed on. An id() is not enough, as a newer settings object can be
+    # given the id of an older one that was freed.
+    generation: int = field(default_factory=lambda: next(_generations), compare=False, repr=False)
 
     def redlock(self, *, linger: bool = True) -> Redlock:
         """A new Redlock over these settings; ``linger=False`` sends every release at once
@@ -132,25 +168,207 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
     )
 
 
-_cache: dict[int, tuple[RedlockSettings, Redlock]] = {}
+def new_redlock(settings: RedlockSettings) -> Redlock:
+    """``settings.redlock()``, its errors named by the setting: the Redlock constructor
+    refuses what no round could use (two masters that are one server, a TTL below its
+    ``min_ttl``) under its own argument names, ``masters`` or ``ttl``."""
+    try:
+        return settings.redlock()
+    except ConfigError as exc:
+        raise ConfigError(f"redlock_{exc}") from None
+
+
+def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
+    """One message per key of ``conf`` that looks like a celery-redlock setting but is not read.
+
+    A key is read if Celery's look-up of a known name tries it: with a ``config_from_object``
+    namespace such as ``"CELERY"`` that is ``CELERY_REDLOCK_TTL`` and ``redlock_ttl``, not
+    ``REDLOCK_TTL``. With a namespace, only keys in it and lower-case keys (Celery's own style)
+    are looked at: the other settings of a shared settings module, such as Django's, are
+    somebody else's.
+    """
+    keys = list(conf)  # first: listing a Celery conf still pending loads it, namespace and all
+    prefix = str(getattr(conf, "prefix", None) or "")
+    to_keys = getattr(conf, "_to_keys", None)  # Celery's own list of keys tried for a name
+
+    def keys_of(name: str) -> tuple[str, ...]:
+        return tuple(to_keys(name)) if to_keys is not None else (name,)
+
+    read = {key for name in KNOWN_SETTINGS for key in keys_of(name)}
+    # Matched on what follows "redlock_": the prefix all share would make any name look close.
+    known = {name.removeprefix("redlock_"): name for name in KNOWN_SETTINGS}
+    messages = []
+    for key in keys:
+        if not isinstance(key, str) or key in read:
+            continue
+        namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
+        if prefix and not (namespaced or key.islower()):
+            continue
+        bare = (key[len(prefix) :] if namespaced else key).lower()
+        if not bare.startswith("redlock_"):
+            continue
+        close = difflib.get_close_matches(bare.removeprefix("redlock_"), sorted(known), n=1)
+        if close:
+            name = known[close[0]]
+            meant = keys_of(name)[0] if namespaced else name
+            messages.append(
+                f"{key!r} is not a celery-redlock setting and is ignored; did you mean {meant!r}?"
+            )
+        else:
+            messages.append(
+                f"{key!r} is not a celery-redlock setting and is ignored (docs/settings.md lists them)"
+            )
+    return messages
+
+
+# Messages already logged by this process, kept across fork: a prefork child does not repeat
+# what the worker said at start.
+_warned: set[str] = set()
+
+
+def warn_unknown_settings(conf: Mapping[str, Any]) -> list[str]:
+    """Log :func:`unknown_settings` as warnings, each once per process; returns them all."""
+    messages = unknown_settings(conf)
+    for message in messages:
+        if message not in _warned:
+            _warned.add(message)
+            logger.warning("%s", message)
+    return messages
+
+
+class _Entry:
+    """One app's settings and Redlock in this process, and what of ``app.conf`` they came from."""
+
+    __slots__ = ("absent", "changes", "conf", "depth", "pick", "raw", "redlock", "settings")
+    settings: RedlockSettings
+    redlock: Redlock
+
+    def __init__(self, conf: Any) -> None:
+        """A snapshot of ``conf``; ``settings`` and ``redlock`` are set once they are read."""
+        self.conf = conf
+        # Every write through app.conf (attribute, item, update, setdefault, pop) lands in its
+        # changes dict; its other maps (a config_from_object source, Celery's defaults) change
+        # only by a new conf or changes dict (config_from_object) or one more map (add_defaults).
+        # A Mapping that is not Celery's is its own changes.
+        self.changes: Mapping[str, Any] = getattr(conf, "changes", conf)
+        self.depth = len(getattr(conf, "maps", ()))
+        to_keys = getattr(conf, "_to_keys", None)  # Celery's list of the keys tried for a name
+        keys = dict.fromkeys(DEFAULTS if to_keys is None else (k for name in DEFAULTS for k in to_keys(name)))
+        # The keys set now are compared by value; those not set need only stay absent, which
+        # one isdisjoint() tells for all of them (a look-up per key costs twice as much).
+        present = [key for key in keys if key in self.changes]
+        self.absent = frozenset(keys).difference(present)
+        self.pick: Callable[[Mapping[str, Any]], Any] = operator.itemgetter(*present) if present else _nothing
+        self.raw = _copied(self.pick(self.changes), len(present))
+
+    def current(self, conf: Any) -> bool:
+        """Whether ``conf`` (``app.conf`` now) still holds what the settings were read from.
+
+        The hot path: once per locked run, about 0.3 µs. An unchanged value
+        compares by identity, a copied list element by element.
+        """
+        changes = self.changes
+        if (
+            conf is not self.conf
+            or getattr(conf, "changes", conf) is not changes
+            or len(getattr(conf, "maps", ())) != self.depth
+            or not changes.keys().isdisjoint(self.absent)
+        ):
+            return False
+        try:
+            return bool(self.pick(changes) == self.raw)
+        except KeyError:  # a key that was set has been deleted
+            return False
+
+
+def _nothing(_: object) -> tuple[()]:
+    return ()
+
+
+def _copied(picked: Any, count: int) -> Any:
+    """``picked`` (one value, or a tuple of ``count`` values) with each list copied, so that an
+    append to ``app.conf.redlock_masters`` is a change too."""
+    if count == 1:
+        return list(picked) if isinstance(picked, list) else picked
+    return tuple(list(v) if isinstance(v, list) else v for v in picked)
+
+
+_cache: dict[int, _Entry] = {}
 _cache_lock = threading.Lock()
 
 
 def app_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
-    """The settings and this process's :class:`Redlock` for ``app``, built on first use.
+    """The settings and this process's :class:`Redlock` for ``app``, built on first use and
+    rebuilt when ``app.conf``'s ``redlock_*`` values change (see the module docstring).
 
     A forked child (a prefork pool's process) starts with an empty cache and builds its own, so
-    connections are never inherited.
+    connections are never inherited. A change to a bad value raises :class:`ConfigError` at
+    every call until it is corrected; the settings read before are not used meanwhile.
     """
+    entry = _cache.get(id(app))  # no lock on the hot path: a dict look-up is atomic
+    if entry is not None and entry.current(app.conf):
+        return entry.settings, entry.redlock
     with _cache_lock:
-        cached = _cache.get(id(app))
-        if cached is not None:
-            return cached
-        settings = read_settings(app.conf)
-        redlock = settings.redlock()
-        _cache[id(app)] = (settings, redlock)
-        logger.debug("process %d: %r for app %s", pid(), redlock, getattr(app, "main", app))
-        return settings, redlock
+        entry = _cache.get(id(app))
+        conf = app.conf
+        if entry is not None and entry.current(conf):
+            return entry.settings, entry.redlock
+        built = _build(app, conf, entry)
+        _cache[id(app)] = built
+    if entry is not None and built.redlock is not entry.redlock:
+        # Sends the old Redlock's lingering releases and closes its idle links. A lock still
+        # held on it keeps it (Lock.redlock): its extensions and release go to the masters that
+        # granted it, on new links.
+        entry.redlock.close()
+    return built.settings, built.redlock
+
+
+def _build(app: Any, conf: Any, old: _Entry | None) -> _Entry:
+    app_name = getattr(app, "main", app)
+    conf.get("redlock_masters")  # a Celery conf still pending is loaded by its first read
+    warn_unknown_settings(conf)
+    # The snapshot is taken before the read: a write meanwhile makes the next run read again.
+    entry = _Entry(conf)
+    settings = read_settings(conf)
+    if old is None:
+        redlock = new_redlock(settings)
+        logger.debug("process %d: %r for app %s", pid(), redlock, app_name)
+    elif settings == old.settings:
+        settings, redlock = old.settings, old.redlock  # the same values: option caches stay valid
+    else:
+        changed = [
+            f.name
+            for f in fields(settings)
+            if f.compare and getattr(settings, f.name) != getattr(old.settings, f.name)
+        ]
+        rebuild = any(name in REDLOCK_FIELDS for name in changed)
+        redlock = new_redlock(settings) if rebuild else old.redlock
+        _log_change(app_name, old.settings, settings, changed)
+    entry.settings, entry.redlock = settings, redlock
+    return entry
+
+
+def _log_change(app_name: Any, old: RedlockSettings, new: RedlockSettings, changed: list[str]) -> None:
+    described = "; ".join(
+        f"redlock_{name} {getattr(old, name)!r} -> {getattr(new, name)!r}" for name in changed
+    )
+    if "masters" in changed:
+        # Exclusion holds only among processes that use the same masters.
+        logger.warning(
+            "app %s: settings changed after first use in process %d (%s): new locks are taken on "
+            "the new masters; locks held on the old ones stay there until released, and nothing "
+            "still locking on the old masters excludes what locks on the new",
+            app_name,
+            pid(),
+            described,
+        )
+    else:
+        logger.info(
+            "app %s: settings changed after first use in process %d (%s); the next locked runs use them",
+            app_name,
+            pid(),
+            described,
+        )
 
 
 def close_app_redlock(app: Any | None = None) -> None:
@@ -158,8 +376,8 @@ def close_app_redlock(app: Any | None = None) -> None:
     with _cache_lock:
         keys = list(_cache) if app is None else [id(app)]
         entries = [_cache.pop(k) for k in keys if k in _cache]
-    for _, redlock in entries:
-        redlock.close()
+    for entry in entries:
+        entry.redlock.close()
 
 
 def _after_fork_in_child() -> None:

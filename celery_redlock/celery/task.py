@@ -22,8 +22,10 @@ this process's next command to the masters; the retry, revoke and shutdown ones 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,9 +33,10 @@ from typing import Any
 
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Ignore, Retry
-from celery.states import IGNORED, SUCCESS
+from celery.exceptions import Retry
+from celery.states import RETRY, SUCCESS
 
+from .._fork import pid
 from .._validate import choice, count, flag, number
 from ..errors import ConfigError, LockNotAcquired, NotLocked
 from ..lock.heartbeat import process_heartbeat
@@ -47,7 +50,6 @@ from .settings import (
     RELEASE_POLICIES,
     RedlockSettings,
     app_redlock,
-    read_settings,
 )
 from .slots import PUBLISHED_HEADER, SLOT_SEPARATOR, slot_name
 
@@ -55,6 +57,11 @@ logger = logging.getLogger("celery_redlock.task")
 
 ATTEMPT_HEADER = "redlock_attempt"
 _REQUEST_ATTR = "_redlock_held"
+# Set on the request of a run skipped by lock_contended="skip": the marker its body returns.
+_SKIP_ATTR = "_redlock_skipped"
+# The key of the marker a skipped run returns as its result (see is_skipped).
+SKIPPED = "redlock_skipped"
+_HOST = json.dumps(socket.gethostname())
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,22 @@ class RedlockTaskMixin:
         cls._redlock_options = None
         _check_static_options(cls, task_name)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The body, or, for a run skipped by ``lock_contended="skip"``, its marker instead.
+
+        Defining ``__call__`` makes Celery's tracer call the task rather than its ``run``; a
+        run it traces (its request marked in before_start) calls ``run`` as the tracer would,
+        and anything else (a direct call ``charge(42)``) is Celery's own ``__call__``.
+        """
+        request = self.request_stack.top  # type: ignore[attr-defined]
+        if request is not None:
+            marker = getattr(request, _SKIP_ATTR, None)
+            if marker is not None:
+                return marker
+            if getattr(request, _REQUEST_ATTR, None) is not None:
+                return self.run(*args, **kwargs)  # type: ignore[attr-defined]
+        return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
     # -- the current execution's lock -------------------------------------------------------------
     @property
     def redlock(self) -> Lock:
@@ -152,11 +175,13 @@ class RedlockTaskMixin:
         return key.render(tuple(args), kwargs or {})
 
     def lock_options(self, settings: RedlockSettings) -> LockOptions:
+        """This task's options over ``settings``, cached per task class until the app's settings
+        are read anew (a change to ``app.conf``), which gives them a new ``generation``."""
         cached = self._redlock_options
-        if cached is not None and cached[0] == id(settings):
+        if cached is not None and cached[0] == settings.generation:
             return cached[1]
         options = _resolve_options(self, settings)
-        type(self)._redlock_options = (id(settings), options)
+        type(self)._redlock_options = (settings.generation, options)
         return options
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -183,13 +208,16 @@ class RedlockTaskMixin:
                 parent(status, retval, task_id, args, kwargs, einfo)
 
     def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's retry, releasing the lock first so the retried run can take it.
+        """Celery's retry; the lock stays held until the body has ended.
+
+        Celery may decide not to retry (``MaxRetriesExceededError``, caught by the body to run a
+        fallback), and ``retry(throw=False)`` returns into the body: both still run under the
+        lock. It is released when the run ends (``task_postrun``), at once; a retried copy that
+        arrives before then finds this very task's lock and waits for it (see _redlock_contended).
 
         The retried run starts its lock attempts afresh: the lock retries this run needed
         before it got in are not charged to the next one's ``lock_max_retries``.
         """
-        # At once, not lingering: the retry may be picked up by another worker straight away.
-        self._redlock_finish("RETRY", linger=False)
         if _header(self.request, ATTEMPT_HEADER):
             headers = dict(getattr(self.request, "headers", None) or {})
             headers.update(kwargs.get("headers") or {})
@@ -208,34 +236,41 @@ class RedlockTaskMixin:
             if published is None:
                 published = self._redlock_unstamped_time(request)
             name = f"{name}{SLOT_SEPARATOR}{slot_name(options.slot, float(published))}"
-        lock = redlock.lock(name, options.ttl)
+        # Who holds it, stored beside the token in the same SET: a contender tells an earlier
+        # attempt of its own task from a duplicate, and an operator sees host, pid and since.
+        holder = f'{{"task":{json.dumps(task_id)},"host":{_HOST},"pid":{pid()},"since":{time.time():.3f}}}'
+        lock = redlock.lock(name, options.ttl, holder=holder)
         started = time.monotonic()
         if lock.acquire(blocking=False):
-            held = Held(lock, task_id, time.monotonic(), options.release == "on_expiry")
-            setattr(request, _REQUEST_ATTR, held)
-            registry.register(held)
-            if options.heartbeat:
-                process_heartbeat().keep(
-                    lock,
-                    interval=options.heartbeat_interval,
-                    max_hold=options.max_hold,
-                    on_lost=self._redlock_on_lost(task_id, held),
-                )
-            if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens
-                signals.lock_acquired.send(
-                    sender=self,
-                    key=name,
-                    task_id=task_id,
-                    token=lock.token,
-                    ttl=lock.ttl,
-                    validity=lock.validity,
-                    elapsed=held.acquired_at - started,
-                )
-            logger.debug("task %s[%s] acquired %s", self.name, task_id, name)
+            self._redlock_hold(lock, task_id, options, started)
             return
         error = lock.last_error
         assert error is not None
-        self._redlock_contended(task_id, name, options, error)
+        self._redlock_contended(task_id, lock, options, error, started)
+
+    def _redlock_hold(self, lock: Lock, task_id: str, options: LockOptions, started: float) -> None:
+        """Record the lock this run has just acquired, and keep it alive while the body runs."""
+        held = Held(lock, task_id, time.monotonic(), options.release == "on_expiry")
+        setattr(self.request, _REQUEST_ATTR, held)
+        registry.register(held)
+        if options.heartbeat:
+            process_heartbeat().keep(
+                lock,
+                interval=options.heartbeat_interval,
+                max_hold=options.max_hold,
+                on_lost=self._redlock_on_lost(task_id, held),
+            )
+        if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens
+            signals.lock_acquired.send(
+                sender=self,
+                key=lock.name,
+                task_id=task_id,
+                token=lock.token,
+                ttl=lock.ttl,
+                validity=lock.validity,
+                elapsed=held.acquired_at - started,
+            )
+        logger.debug("task %s[%s] acquired %s", self.name, task_id, lock.name)
 
     def _redlock_unstamped_time(self, request: Any) -> float:
         """The time that places a message without our publish stamp in its ``lock_slot``.
@@ -266,13 +301,36 @@ class RedlockTaskMixin:
         return at
 
     def _redlock_contended(
-        self, task_id: str, name: str, options: LockOptions, error: LockNotAcquired
+        self, task_id: str, lock: Lock, options: LockOptions, error: LockNotAcquired, started: float
     ) -> None:
-        attempt = int(_header(self.request, ATTEMPT_HEADER) or 0)
+        """What a run that did not get its lock does, by ``lock_contended``: retry later, skip,
+        or fail. An eager run (``apply()``, ``task_always_eager``) never publishes: it waits
+        in-process (see _redlock_wait_eager)."""
+        request = self.request
+        name = lock.name
+        attempt = int(_header(request, ATTEMPT_HEADER) or 0)
         why = "held by another run" if error.held_by_other else "no quorum of masters answered"
         policy = options.contended
         if policy == "retry" and options.max_retries is not None and attempt >= options.max_retries:
             policy = "exhausted"
+        holder = None
+        if policy != "retry" and error.held_by_other:
+            # Off the usual path: one more round, only when the answer changes what happens.
+            text = lock.redlock.holder(name)
+            holder = _holder_task(text)
+            if text is None and policy != "exhausted":
+                # Gone between the two rounds (released, expired): no one to skip or fail for,
+                # so this is a contended try like any other, retried.
+                policy, why = "retry", "released while its holder was asked for"
+            elif holder == task_id:
+                # An earlier attempt of this very task holds it: a pool child that died holding
+                # it (the broker redelivered the message), or a retry published before its run
+                # ended. Skipping or failing would drop the work: wait for that lock to go,
+                # whatever the mode (a dead run's lock expires with its TTL).
+                policy, why = "retry", "held by an earlier attempt of this same task"
+        if getattr(request, "is_eager", False):
+            self._redlock_wait_eager(task_id, lock, options, policy, why, attempt, started)
+            return
         countdown = 0.0
         if policy == "retry":
             ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0**attempt)
@@ -297,20 +355,28 @@ class RedlockTaskMixin:
                 countdown,
             )
             raise self._redlock_retry(attempt + 1, countdown, error)
+        self._redlock_give_up(task_id, name, policy, why, attempt, error, holder)
+
+    def _redlock_give_up(
+        self,
+        task_id: str,
+        name: str,
+        policy: str,
+        why: str,
+        attempt: int,
+        error: LockNotAcquired,
+        holder: str | None,
+    ) -> None:
+        """End a run that will not get its lock: skipped (its body is replaced by the skip
+        marker, see __call__), or failed with :class:`LockNotAcquired`."""
         if policy == "skip":
             logger.warning("task %s[%s] skipped: lock %s %s", self.name, task_id, name, why)
-            self.backend.store_result(  # type: ignore[attr-defined]
-                task_id,
-                {
-                    "skipped": "lock contended",
-                    "key": name,
-                    "reason": why,
-                    "votes": [v.as_dict() for v in error.votes],
-                },
-                IGNORED,
-                request=self.request,
-            )
-            raise Ignore(f"lock {name} {why}")
+            # A success whose value says it was skipped: every part of Celery then treats it as
+            # a finished run (a terminal task-succeeded event, a chord header member counted,
+            # a chain's next task called with it, no result stored under ignore_result).
+            marker = {SKIPPED: True, "key": name, "reason": why, "holder": holder}
+            setattr(self.request, _SKIP_ATTR, marker)
+            return
         if policy == "exhausted":
             logger.error(
                 "task %s[%s] failed: lock %s %s after %d lock retries", self.name, task_id, name, why, attempt
@@ -325,6 +391,72 @@ class RedlockTaskMixin:
             )
         logger.warning("task %s[%s] failed: lock %s %s", self.name, task_id, name, why)
         raise error
+
+    def _redlock_wait_eager(
+        self,
+        task_id: str,
+        lock: Lock,
+        options: LockOptions,
+        policy: str,
+        why: str,
+        attempt: int,
+        started: float,
+    ) -> None:
+        """A contended eager run: retry in this process, with the same full-jitter backoff a
+        worker's lock retries use, as many times as ``lock_max_retries`` allows, then end as
+        the mode says. With no retry budget it waits at most one lock TTL: an eager call is a
+        test or a script, which must not hang on a lock nobody releases.
+
+        Nothing is published: a lock retry sent to the broker from an eager call would also be
+        re-applied in-process by Celery, and run twice (or recurse without end)."""
+        give_up_at = time.monotonic() + options.ttl
+        while policy == "retry":
+            error = lock.last_error
+            assert error is not None
+            if options.max_retries is not None and attempt >= options.max_retries:
+                policy = "exhausted"
+                break
+            ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0**attempt)
+            delay = random.uniform(0.0, ceiling)
+            if options.max_retries is None and time.monotonic() + delay > give_up_at:
+                policy = "exhausted"
+                break
+            signals.lock_contended.send(
+                sender=self,
+                key=lock.name,
+                task_id=task_id,
+                policy="retry",
+                attempt=attempt,
+                countdown=delay,
+                error=error,
+            )
+            logger.info(
+                "task %s[%s] (eager): lock %s %s; retry %d in %.2f s",
+                self.name,
+                task_id,
+                lock.name,
+                why,
+                attempt + 1,
+                delay,
+            )
+            time.sleep(delay)
+            attempt += 1
+            if lock.acquire(blocking=False):
+                self._redlock_hold(lock, task_id, options, started)
+                return
+        error = lock.last_error
+        assert error is not None
+        signals.lock_contended.send(
+            sender=self,
+            key=lock.name,
+            task_id=task_id,
+            policy=policy,
+            attempt=attempt,
+            countdown=0.0,
+            error=error,
+        )
+        holder = _holder_task(lock.redlock.holder(lock.name)) if error.held_by_other else None
+        self._redlock_give_up(task_id, lock.name, policy, why, attempt, error, holder)
 
     def _redlock_retry(self, attempt: int, countdown: float, error: LockNotAcquired) -> Retry:
         """Publish the same message again, later, without spending the task's own retries."""
@@ -376,7 +508,8 @@ class RedlockTaskMixin:
         process_heartbeat().forget(held.lock)
         expire = held.expire and state == SUCCESS
         if not expire:
-            held.lock.release(linger=linger)
+            # A retried run's copy may be taken by another worker at once: no lingering.
+            held.lock.release(linger=linger and state != RETRY)
         if signals.lock_released.receivers:
             signals.lock_released.send(
                 sender=self,
@@ -430,6 +563,22 @@ def _eta_timestamp(eta: Any) -> float | None:
         return None
     when: dt.datetime = eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
     return when.timestamp()
+
+
+def _holder_task(holder: str | None) -> str | None:
+    """The task id in a lock's holder text (see _redlock_acquire), if one is there."""
+    if not holder:
+        return None
+    try:
+        found = json.loads(holder).get("task")
+    except (ValueError, AttributeError):
+        return None  # taken by something other than a RedlockTask (a script, the CLI)
+    return found if isinstance(found, str) else None
+
+
+def is_skipped(result: Any) -> bool:
+    """Whether a task's result is the marker of a run skipped by ``lock_contended="skip"``."""
+    return isinstance(result, dict) and result.get(SKIPPED) is True
 
 
 def _header(request: Any, name: str) -> Any:
@@ -520,22 +669,36 @@ def _beat_schedule_of(task: RedlockTaskMixin) -> Any:
 
 
 def startup_checks(sender: Any = None, **_: Any) -> None:
+    """``worker_init``: stop a worker whose configuration would fail every locked run.
+
+    A worker that went ready with ``redlock_ttl=-1`` would take every locked task off the queue
+    only to fail it. This runs in the main process before the pool and the consumer start, so
+    ``SystemExit`` ends it at once, with the message (naming the setting) on stderr: logging is
+    not set up yet, and Celery's signal dispatch swallows any ``Exception`` a receiver raises.
+    """
     app = getattr(sender, "app", None)
     if app is None:
         return
-    for message in check_app(app):
+    try:
+        problems = check_app(app)
+    except ConfigError as exc:
+        raise SystemExit(f"celery-redlock: the worker cannot start: {exc}") from None
+    for message in problems:
         logger.warning("%s", message)
 
 
 def check_app(app: Any) -> list[str]:
-    """The start-up warnings for ``app``: what works, but weakens or defeats the locks."""
+    """The start-up checks for ``app``.
+
+    Raises :class:`ConfigError` for what would fail every locked run: a bad ``redlock_*``
+    setting, masters the Redlock refuses, a task option the settings make invalid. It takes the
+    path a locked run takes (:func:`app_redlock`, then each task's options), so nothing a run
+    would refuse passes here. Returns the warnings: what works, but weakens or defeats the locks.
+    """
     locked = [t for t in app.tasks.values() if isinstance(t, RedlockTaskMixin)]
     if not locked:
         return []
-    try:
-        settings = read_settings(app.conf)
-    except ConfigError as exc:
-        return [f"{len(locked)} locked task(s) will fail: {exc}"]
+    settings, redlock = app_redlock(app)
     problems = []
     if len(settings.masters) % 2 == 0:
         problems.append(
@@ -546,11 +709,10 @@ def check_app(app: Any) -> list[str]:
     broker = str(app.conf.broker_url or "")
     visibility = (app.conf.broker_transport_options or {}).get("visibility_timeout", 3600)
     for task in locked:
-        try:
-            options = task.lock_options(settings)
-        except ConfigError as exc:
-            problems.append(str(exc))
-            continue
+        options = task.lock_options(settings)
+        if task.lock_ttl is not None:
+            # Refused by the Redlock at every acquire otherwise, under the name "ttl".
+            redlock.check_ttl(f"task {task.name!r}: lock_ttl", options.ttl)
         if not options.heartbeat:
             problems.append(
                 f"task {task.name!r}: lock_heartbeat is off, so its lock lasts lock_ttl "

@@ -110,3 +110,17 @@ def records(lockapp: Any, name: str) -> list[dict[str, Any]]:
 def holds(intervals: list[dict[str, Any]]) -> list[Hold]:
     """Recorded intervals as windows for the overlap check; each carries its record back."""
     return [Hold(i["key"], i["start"], i["end"], owner=i["task_id"], info=i) for i in intervals]
+
+
+def wait_until(predicate: Any, timeout: float, what: str) -> Any:
+    """Poll ``predicate`` until it returns something true, or fail naming ``what``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
 import redis
 from celery import Celery, Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import Ignore, MaxRetriesExceededError, Reject
 
 from celery_redlock import LockLost, RedlockTask, RedlockTaskMixin
 from celery_redlock.celery import signals as lock_signals
@@ -189,7 +190,8 @@ def waits_then_retries(self: RedlockTask, key: str, record_to: str) -> int:
         attempt = (self.request.headers or {}).get("redlock_attempt")
     record(record_to, event="run", key=key, retries=self.request.retries, attempt=attempt or 0)
     if self.request.retries == 0:
-        raise self.retry(countdown=0)
+        # Later than the release at the end of this run: the retried run finds the lock free.
+        raise self.retry(countdown=1.0)
     return int(self.request.retries)
 
 
@@ -231,6 +233,80 @@ def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
     assert self.redlock is not None
     record(record_to, event="ran", key=key, task_id=self.request.id, lock=self.redlock.name)
     return self.redlock.name
+
+
+def free_for_others(key: str) -> bool:
+    """Whether another client could take ``res:<key>`` right now (it releases at once if so)."""
+    from celery_redlock import Redlock
+
+    masters = app.conf.redlock_masters
+    urls = masters.split(",") if isinstance(masters, str) else list(masters)
+    with Redlock(urls, retry_count=0) as other:
+        lock = other.lock(f"res:{key}", ttl=5)
+        if lock.acquire(blocking=False):
+            lock.release(linger=False)
+            return True
+    return False
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", max_retries=0, name="lockapp.retry_fallback")
+def retry_fallback(self: RedlockTask, key: str, record_to: str) -> str:
+    """Celery refuses the retry (max_retries=0): the fallback must still run under the lock."""
+    try:
+        self.retry(countdown=0)
+    except MaxRetriesExceededError:
+        record(record_to, event="fallback", owned=self.redlock.owned(), free=free_for_others(key))
+    return "fallback"
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", max_retries=1, name="lockapp.retry_no_throw")
+def retry_no_throw(self: RedlockTask, key: str, record_to: str) -> int:
+    """``retry(throw=False)`` returns into the body, which goes on under the lock."""
+    if self.request.retries == 0:
+        self.retry(countdown=0, throw=False)
+        record(record_to, event="after-retry", owned=self.redlock.owned(), free=free_for_others(key))
+    else:
+        record(record_to, event="retried", task_id=self.request.id)
+    return int(self.request.retries)
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_contended="skip",
+    lock_ttl=4.0,  # longer than the worker takes to see the loss and requeue the message
+    acks_late=True,
+    reject_on_worker_lost=True,
+    name="lockapp.crash_once",
+)
+def crash_once(self: RedlockTask, key: str, record_to: str) -> str:
+    """The first delivery kills its pool process while holding the lock; the broker redelivers
+    the same task id, which must run (not be skipped as a duplicate) once the lock is gone."""
+    first = store().rpush(f"{record_to}:deliveries", self.request.id) == 1
+    record(record_to, event="run", key=key, task_id=self.request.id, first=first)
+    if first:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "done"
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_contended="skip",
+    ignore_result=True,
+    name="lockapp.skip_quietly",
+)
+def skip_quietly(self: RedlockTask, key: str, record_to: str) -> str:
+    record(record_to, event="ran", key=key)
+    return "ran"
+
+
+@app.task(name="lockapp.collect")
+def collect(values: Any) -> Any:
+    """A plain chord body / chain link: returns what it was given."""
+    return values
 
 
 @lock_signals.lock_contended.connect

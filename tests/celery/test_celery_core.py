@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import holds, records
 
-from celery_redlock import Redlock
+from celery_redlock import Redlock, is_skipped
 from celery_redlock.testing import CeleryWorker, Hold, ServerSet, find_overlaps
 
 Pool = tuple[str, str, list[CeleryWorker]]
@@ -49,26 +49,22 @@ def test_duplicates_never_overlap_and_all_run(lockapp: Any, pool: Pool, tag: str
 
 @pytest.mark.timeout(60)
 def test_skipped_duplicates_are_recorded(lockapp: Any, pool: Pool, tag: str) -> None:
+    """A skipped duplicate ends SUCCESS with the skip marker as its value (a terminal state every
+    monitor and canvas knows), and only the runs that held the lock recorded an interval."""
     _, queue, _ = pool
     results = [lockapp.hold_or_skip.apply_async((tag, 1.0, tag), queue=queue) for _ in range(4)]
-    ran = wait_for(
-        lambda: (
-            [r for r in results if r.state in ("SUCCESS", "IGNORED")]
-            if all(r.state in ("SUCCESS", "IGNORED") for r in results)
-            else None
-        ),
-        30,
-        "every duplicate to run or be skipped",
-    )
-    states = [r.state for r in ran]
-    skipped = [r for r in ran if r.state == "IGNORED"]
-    assert states.count("SUCCESS") >= 1 and skipped, states
+    values = [r.get(timeout=30) for r in results]
+    assert all(r.state == "SUCCESS" for r in results)
+    skipped = [v for v in values if is_skipped(v)]
+    ran = [v for v in values if not is_skipped(v)]
+    assert ran and skipped, values
     intervals = records(lockapp, tag)
-    assert len(intervals) == states.count("SUCCESS")
+    assert len(intervals) == len(ran)
     assert find_overlaps(holds(intervals)) == []
-    for result in skipped:
-        assert result.info["skipped"] == "lock contended"
-        assert result.info["key"] == f"res:{tag}"
+    for value in skipped:
+        assert value["key"] == f"res:{tag}" and value["reason"] == "held by another run"
+        # Who held it: one of the runs that did run.
+        assert value["holder"] in {r["task_id"] for r in intervals}
     signalled = [r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]
     assert sum(1 for r in signalled if r["policy"] == "skip") == len(skipped)
 
@@ -266,17 +262,8 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
     )
     try:
         results = [lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue) for _ in range(20)]
-        # A skipped run ends IGNORED, which get() would wait on forever: poll the states.
-        states = wait_for(
-            lambda: (
-                [r.state for r in results]
-                if all(r.state in ("SUCCESS", "IGNORED") for r in results)
-                else None
-            ),
-            30,
-            "all 20 runs to end",
-        )
-        assert states == ["SUCCESS"] * 20, states
+        values = [r.get(timeout=30) for r in results]
+        assert not any(is_skipped(v) for v in values), values
         assert len(records(lockapp, tag)) == 20
         with Redlock(redlock_master_urls) as check:
             wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
