@@ -13,10 +13,10 @@ Per-execution state (the :class:`Lock` and its timings) hangs off ``self.request
 keeps per execution and per thread; the task instance is shared by every thread of a threads pool.
 
 The lock is released after the body whatever the outcome: in ``after_return`` for success and
-failure, in :meth:`retry` before the retry is published (so the retried run can take it), and by
-the ``task_postrun`` hook for ignore and reject, which ``after_return`` does not see. Releases
-from ``after_return`` and the hook may linger up to ``redlock_release_linger`` to travel with
-this process's next command to the masters; the retry, revoke and shutdown ones go at once.
+failure, and by the ``task_postrun`` hook for retry, ignore and reject, which ``after_return``
+does not see (so a body that calls ``self.retry()`` keeps its lock until it has really ended).
+Releases from ``after_return`` and the hook may linger up to ``redlock_release_linger`` to travel
+with this process's next command to the masters; the retry, revoke and shutdown ones go at once.
 """
 
 from __future__ import annotations
