@@ -115,6 +115,7 @@ class RedlockTaskMixin:
     _redlock_key: LockKey | None = None
     _redlock_options: tuple[int, LockOptions] | None = None
     _redlock_unstamped_logged = False
+    _redlock_custom_call = False  # see __init_subclass__
 
     # Provided by celery.Task; declared for the type checker.
     name: str
@@ -129,6 +130,14 @@ class RedlockTaskMixin:
         if func is None:
             return  # an abstract base: nothing to bind against yet
         _connect_hooks()
+        # A user's base with a __call__ of its own (a wrapper around every run) is called as the
+        # tracer would have called it without us; Celery's own __call__ is skipped, as the tracer
+        # skips it, for a run it traces.
+        cls._redlock_custom_call = any(
+            "__call__" in klass.__dict__
+            for klass in cls.__mro__
+            if klass is not RedlockTaskMixin and not klass.__module__.startswith("celery.")
+        )
         task_name = cls.__dict__.get("name") or f"{cls.__module__}.{cls.__qualname__}"
         cls._redlock_key = compile_lock_key(cls.lock_key, func, task_name, bound=bound)
         cls._redlock_options = None
@@ -146,7 +155,7 @@ class RedlockTaskMixin:
             marker = getattr(request, _SKIP_ATTR, None)
             if marker is not None:
                 return marker
-            if getattr(request, _REQUEST_ATTR, None) is not None:
+            if getattr(request, _REQUEST_ATTR, None) is not None and not self._redlock_custom_call:
                 return self.run(*args, **kwargs)  # type: ignore[attr-defined]
         return super().__call__(*args, **kwargs)  # type: ignore[misc]
 

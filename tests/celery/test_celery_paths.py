@@ -229,3 +229,30 @@ def test_a_skip_stores_no_result_under_ignore_result(
         assert result.state == "PENDING", result.state
         time.sleep(0.05)
     assert records(lockapp, tag) == []
+
+
+@pytest.mark.timeout(30)
+def test_a_base_with_its_own_call_wrapper_still_wraps_every_run(
+    eager_app: Celery, redlock_master_urls: list[str]
+) -> None:
+    """RedlockTask defines __call__ (for the skip marker); a user's base that wraps every run in
+    a __call__ of its own must still be called, locked runs and skips alike."""
+    from celery import Task
+
+    from celery_redlock import RedlockTaskMixin
+
+    class Wrapped(Task):  # type: ignore[misc]
+        abstract = True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return ["wrapped", super().__call__(*args, **kwargs)]
+
+    class Mine(RedlockTaskMixin, Wrapped):
+        abstract = True
+
+    @eager_app.task(base=Mine, lock_key="wrapped:<n>", name="eager.wrapped", lazy=False, shared=False)
+    def job(n: int) -> int:
+        return n
+
+    assert job.apply((4,)).get() == ["wrapped", 4]
+    assert job(5) == ["wrapped", 5]  # a direct call: the plain function, through the wrapper
