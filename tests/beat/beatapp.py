@@ -25,7 +25,7 @@ import redis
 from celery import Celery
 from celery.signals import before_task_publish, task_postrun
 
-from celery_redlock.celery.task import RedlockTask
+from celery_redlock.celery.task import RedlockTask, is_skipped
 
 BROKER = os.environ.get("BEAT_TEST_BROKER", "redis://127.0.0.1:1/0")
 _base = BROKER.rsplit("/", 1)[0]
@@ -90,6 +90,8 @@ if os.environ.get("BEAT_TEST_RECORD"):
 
 
 @task_postrun.connect(weak=False)
-def _note_done(task_id: str | None = None, args: Any = None, state: str | None = None, **_: Any) -> None:
+def _note_done(
+    task_id: str | None = None, args: Any = None, state: str | None = None, retval: Any = None, **_: Any
+) -> None:
     if args:
-        _push(f"{args[0]}:done", id=task_id, state=state)
+        _push(f"{args[0]}:done", id=task_id, state=state, skipped=is_skipped(retval))
