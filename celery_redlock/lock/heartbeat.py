@@ -50,6 +50,16 @@ BATCH_WINDOW = 0.1
 # a beat of 10000 locks behind a 20 ms round trip takes ten such rounds, 0.4 s, inside the
 # 0.5 s interval of a 1.5 s TTL (benchmarks/bench_heartbeat.py).
 MAX_BATCH = 1000
+# A heartbeat that gets to a lock a whole interval after it came due was not let run: its locks
+# may have expired meanwhile. Under a gevent or eventlet pool the heartbeat is a green thread,
+# which runs only when the task body yields, so a CPU-bound body that never does starves it
+# (see docs/pools.md); elsewhere, the process was paused or starved of CPU. Reported, since
+# the lock's loss alone does not say why.
+STARVED = (
+    "the lock heartbeat ran %.2f s late and its locks may have expired meanwhile: this process "
+    "did not let it run (under a gevent or eventlet pool, a task body that does not yield, e.g. a "
+    "CPU-bound loop; otherwise a paused or overloaded process)"
+)
 
 
 @dataclass(slots=True)
@@ -194,6 +204,10 @@ class Heartbeat:
         while not self._stopping:
             queue = self._queue  # forget() may replace it (compaction) while this one waits
             current = now()
+            if queue and current - queue[0][0] > queue[0][2].interval:
+                # The thread sleeps until the first due time, so this is how late it woke (see
+                # STARVED); told even when that lock was forgotten meanwhile.
+                logger.warning(STARVED, current - queue[0][0])
             # Forgotten entries are dropped without waiting for their due times. When nothing
             # live is left, the thread still sleeps until the last dropped one would have come
             # due: locks kept meanwhile are due later than that (their owners' intervals are

@@ -16,7 +16,8 @@ as soon as it arrives; only the acknowledgement is read later.
 
 Links are opened by redis-py (name resolution, TCP, TLS) and then driven here, non-blocking,
 through :mod:`.wire`: one ``send`` per master, one ``poll`` for all of them, one ``recv`` per
-reply, and nothing hidden in between. The handshake is ours: AUTH, CLIENT SETNAME, SELECT and
+reply, and nothing hidden in between (the poll is :mod:`.waiting`'s: ``select.poll`` itself,
+or its stand-in under eventlet). The handshake is ours: AUTH, CLIENT SETNAME, SELECT and
 ``INFO server`` pipelined in one write, so a new link costs one round trip after the TCP (and
 TLS) handshake, and tells which server it reached (its ``run_id``).
 
@@ -74,7 +75,7 @@ from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
 from .._fork import on_fork_in_child
 from ..errors import ConfigError
-from . import scripts, wire
+from . import scripts, waiting, wire
 
 logger = logging.getLogger("celery_redlock.masters")
 
@@ -170,7 +171,7 @@ class Link:
     conn: redis.Connection
     master: Master
     sock: socket.socket
-    poller: select.poll
+    poller: waiting.Poller
     reader: wire.Reader
     owed: int
     late: bool
@@ -186,7 +187,7 @@ class Link:
         sock.settimeout(0.0)
         self.sock = sock
         self.tls = isinstance(sock, ssl.SSLSocket)
-        self.poller = select.poll()  # this socket alone, for waiting on its reply
+        self.poller = waiting.poll()  # this socket alone, for waiting on its reply
         self.poller.register(sock.fileno(), select.POLLIN | _RDHUP)
         self.reader = wire.Reader()
         self.owed = 0
@@ -243,7 +244,7 @@ class Link:
 
     def _send_rest(self, data: memoryview, deadline: float) -> None:
         # Only when the socket buffer is full, i.e. the master has stopped reading.
-        poller = select.poll()
+        poller = waiting.poll()
         poller.register(self.sock.fileno(), select.POLLOUT)
         while data:
             remaining = deadline - time.monotonic()
@@ -825,7 +826,7 @@ def _checked(masters: Sequence[Master], links: list[Link | None]) -> list[Link |
     a checked idle link or None. One ``poll(0)`` for them all: no round trip, and one system call
     per round rather than one per master (a link that owes replies on time is read here, where
     its next send would have read it; see :meth:`Link.settle`)."""
-    poller = select.poll()
+    poller = waiting.poll()
     for link in links:
         if link is not None:
             poller.register(link.sock.fileno(), select.POLLIN | _RDHUP)

@@ -319,3 +319,29 @@ def _on_contended(
 @lock_signals.lock_lost.connect
 def _on_lost(sender: Any = None, key: str = "", task_id: str = "", reason: str = "", **_: Any) -> None:
     record("signals:lost", key=key, task_id=task_id, reason=reason)
+
+
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=1.0, name="lockapp.spin")
+def spin(
+    self: RedlockTask, key: str, seconds: float, yield_every: float, pause: float, record_to: str
+) -> str:
+    """A CPU-bound body: busy for ``seconds`` without waiting on anything, except that every
+    ``yield_every`` seconds (never if 0) it sleeps ``pause`` seconds, which under gevent or
+    eventlet is their own sleep, letting the other green threads run; then record whether the
+    lock was kept."""
+    assert self.redlock is not None
+    start = now()
+    record(record_to, event="start", key=key, task_id=self.request.id, start=start)
+    next_yield = start + yield_every if yield_every else float("inf")
+    deadline = start + seconds
+    while (current := now()) < deadline:
+        if current >= next_yield:
+            time.sleep(pause)
+            next_yield = now() + yield_every
+    try:
+        self.redlock.ensure()
+        lost = ""
+    except LockLost as exc:
+        lost = str(exc)
+    record(record_to, event="end", key=key, task_id=self.request.id, start=start, end=now(), lost=lost)
+    return lost
