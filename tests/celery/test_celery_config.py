@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from conftest import wait_until
 
 from celery_redlock import ConfigError, Redlock, RedlockTask
 from celery_redlock.celery import settings as settings_module
@@ -35,17 +36,6 @@ PACKAGE = ROOT / "celery_redlock"
 NOWHERE = "redis://127.0.0.1:1/0"  # constructing a Redlock sends nothing: nobody need listen
 
 # -- helpers -----------------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +192,7 @@ def test_a_bad_setting_stops_the_worker_before_it_is_ready(
     worker.start(wait=False)
     try:
         # Bounded: the check runs before the pool and the consumer exist, so nothing can hang.
-        wait_for(lambda: not worker.running, 60, "the worker to exit")
+        wait_until(lambda: not worker.running, 60, "the worker to exit")
         took = time.monotonic() - started
         code, log = worker.returncode, worker.log_text()
     finally:
@@ -394,7 +384,7 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
     runner = threading.Thread(target=lambda: results.append(probe.apply(("held", {}))), daemon=True)
     runner.start()
     try:
-        wait_for(lambda: holders(first, "redlock:cfg:held") == 5, 10, "the first run to hold its lock")
+        wait_until(lambda: holders(first, "redlock:cfg:held") == 5, 10, "the first run to hold its lock")
         _, before = app_redlock(app)
         app.conf.redlock_masters = second
         app.conf.redlock_ttl = 7.5
@@ -406,7 +396,7 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
         runner.join(20)
         assert results and results[0].state == "SUCCESS", results
         # The first run's release went to the masters that granted it (it may linger 20 ms).
-        wait_for(lambda: holders(first, "redlock:cfg:held") == 0, 5, "the release on the first masters")
+        wait_until(lambda: holders(first, "redlock:cfg:held") == 0, 5, "the release on the first masters")
         assert holders(second, "redlock:cfg:held") == 0
     finally:
         gate.set()

@@ -8,23 +8,12 @@ import time
 from typing import Any
 
 import pytest
-from conftest import holds, records
+from conftest import holds, records, wait_until
 
 from celery_redlock import Redlock, is_skipped
 from celery_redlock.testing import CeleryWorker, Hold, ServerSet, find_overlaps
 
 Pool = tuple[str, str, list[CeleryWorker]]
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.timeout(60)
@@ -73,7 +62,7 @@ def test_skipped_duplicates_are_recorded(lockapp: Any, pool: Pool, tag: str) -> 
 def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str, redlock_master_urls: list[str]) -> None:
     _, queue, _ = pool
     result = lockapp.long_hold.apply_async((tag, 3.0, tag), queue=queue)  # 5x its 0.6 s TTL
-    wait_for(lambda: records(lockapp, tag), 20, "the long task to start")
+    wait_until(lambda: records(lockapp, tag), 20, "the long task to start")
     with Redlock(redlock_master_urls) as contender:
         attempts = 0
         while not result.ready():
@@ -92,14 +81,14 @@ def test_lock_lost_is_seen_by_the_body_and_the_signal(
 ) -> None:
     _, queue, _ = pool
     result = lockapp.until_lost.apply_async((tag, 10.0, tag), queue=queue)
-    wait_for(lambda: records(lockapp, tag), 20, "the task to start")
+    wait_until(lambda: records(lockapp, tag), 20, "the task to start")
     for server in redlock_masters:
         server.flushall()
     seen = result.get(timeout=10)
     assert "lost" in seen
     body = [r for r in records(lockapp, tag) if r["event"] == "seen"]
     assert body and "no longer hold this token" in body[0]["reason"]
-    lost = wait_for(
+    lost = wait_until(
         lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
         5,
         "the lock_lost signal",
@@ -118,7 +107,7 @@ def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
     takes the lock meanwhile, and the resumed body sees the loss before doing anything more."""
     _, queue, _ = pool
     result = lockapp.until_lost.apply_async((tag, 20.0, tag), queue=queue)
-    started = wait_for(lambda: records(lockapp, tag), 20, "the task to start")[0]
+    started = wait_until(lambda: records(lockapp, tag), 20, "the task to start")[0]
     with Redlock(redlock_master_urls) as contender:
         lock = contender.lock(f"res:{tag}", ttl=30)
         os.kill(started["pid"], signal.SIGSTOP)
@@ -132,7 +121,7 @@ def test_a_holder_paused_past_its_ttl_sees_the_loss_on_resume(
         assert body, "the body recorded nothing after resuming"
         # The body's ensure() raised LockLost: the validity ran out while it was stopped.
         assert "validity ran out" in body[0]["lost"], body[0]
-        lost = wait_for(
+        lost = wait_until(
             lambda: [r for r in records(lockapp, "signals:lost") if r["key"] == f"res:{tag}"],
             5,
             "the lock_lost signal",
@@ -179,7 +168,7 @@ def test_lock_retries_leave_the_tasks_own_retry_budget(
         assert lock.acquire(blocking=False)
         # own_retry fails at once on contention; hold() retries: use hold() to burn lock retries.
         result = lockapp.hold.apply_async((tag, 0.0, tag), queue=queue)
-        wait_for(
+        wait_until(
             lambda: len([r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]) >= 3,
             20,
             "three lock retries",
@@ -206,7 +195,7 @@ def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
         lock = holder.lock(f"res:{tag}", ttl=30)
         assert lock.acquire(blocking=False)
         result = lockapp.waits_then_retries.apply_async((tag, tag), queue=queue)
-        wait_for(
+        wait_until(
             lambda: len([r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]) >= 2,
             20,
             "two lock retries",
@@ -229,7 +218,7 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
     _, queue, _ = pool
     assert lockapp.mixed.apply_async((tag, tag), queue=queue).get(timeout=20) == tag
     # The result is stored before after_return runs: wait for the base class's hook.
-    events = wait_for(
+    events = wait_until(
         lambda: [e for e in records(lockapp, tag) if e["event"] == "base-after"] and records(lockapp, tag),
         10,
         "the base class's after_return",
@@ -239,7 +228,7 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
     with Redlock(redlock_master_urls) as check:
         # Released by the mixin's after_return; the release may linger up to
         # redlock_release_linger (20 ms) for company before the idle worker sends it.
-        wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the lock's release")
+        wait_until(lambda: not check.lock(f"res:{tag}").locked(), 5, "the lock's release")
 
 
 @pytest.mark.timeout(90)
@@ -266,7 +255,7 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
         assert not any(is_skipped(v) for v in values), values
         assert len(records(lockapp, tag)) == 20
         with Redlock(redlock_master_urls) as check:
-            wait_for(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
+            wait_until(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
     finally:
         worker.stop()
 
@@ -284,7 +273,7 @@ def test_a_run_ended_by_ignore_or_reject_releases_its_lock(
     lock instead, long before its 5 s TTL would."""
     _, queue, _ = pool
     lockapp.gives_up.apply_async((tag, how, tag), queue=queue)
-    wait_for(lambda: records(lockapp, tag), 30, "the run to take its lock")
+    wait_until(lambda: records(lockapp, tag), 30, "the run to take its lock")
     taken = time.monotonic()
     with Redlock(redlock_master_urls) as check:
         lock = check.lock(f"res:{tag}", ttl=5.0)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from conftest import HERE, ROOT, app_env, records
-from test_celery_core import Pool, wait_for
+from conftest import HERE, ROOT, app_env, records, wait_until
+from test_celery_core import Pool
 
 from celery_redlock import ConfigError, LockNotAcquired, Redlock, RedlockTask, is_skipped
 from celery_redlock.celery.slots import PUBLISHED_HEADER
@@ -35,7 +35,7 @@ def test_sigkill_of_the_holding_process_frees_the_lock_within_ttl(
         "lockapp", pool=pool_name, concurrency=2, queues=[queue], env=env, pythonpath=[str(HERE), str(ROOT)]
     ) as worker:
         lockapp.long_hold.apply_async((tag, 60.0, tag), queue=queue)  # TTL 0.6 s
-        started = wait_for(lambda: records(lockapp, tag), 20, "the task to start")[0]
+        started = wait_until(lambda: records(lockapp, tag), 20, "the task to start")[0]
         if pool_name == "prefork":
             assert started["pid"] in worker.child_pids()
         else:
@@ -122,7 +122,7 @@ def test_revoke_with_terminate_releases_the_lock_before_its_ttl(
         "lockapp", pool="prefork", concurrency=2, queues=[queue], env=env, pythonpath=[str(HERE), str(ROOT)]
     ):
         result = lockapp.hold.apply_async((tag, 60.0, tag), queue=queue)  # lock TTL 5 s
-        wait_for(lambda: records(lockapp, tag), 20, "the task to start")
+        wait_until(lambda: records(lockapp, tag), 20, "the task to start")
         with Redlock(redlock_masters.urls) as contender:
             lock = contender.lock(f"res:{tag}", ttl=5)
             assert not lock.acquire(blocking=False)
