@@ -79,6 +79,10 @@ class LockOptions:
     release: str
     slot: Any
 
+    def backoff(self, attempt: int) -> float:
+        """The wait before lock retry ``attempt + 1``: full jitter under a doubling ceiling."""
+        return random.uniform(0.0, min(self.retry_backoff_max, self.retry_backoff * 2.0**attempt))
+
 
 def _resolve_run(cls: type) -> tuple[Callable[..., Any] | None, bool]:
     """The task's body function and whether it takes the task as first argument."""
@@ -342,8 +346,7 @@ class RedlockTaskMixin:
             return
         countdown = 0.0
         if policy == "retry":
-            ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0**attempt)
-            countdown = random.uniform(0.0, ceiling)
+            countdown = options.backoff(attempt)
         signals.lock_contended.send(
             sender=self,
             key=name,
@@ -425,8 +428,7 @@ class RedlockTaskMixin:
             if options.max_retries is not None and attempt >= options.max_retries:
                 policy = "exhausted"
                 break
-            ceiling = min(options.retry_backoff_max, options.retry_backoff * 2.0**attempt)
-            delay = random.uniform(0.0, ceiling)
+            delay = options.backoff(attempt)
             if options.max_retries is None and time.monotonic() + delay > give_up_at:
                 policy = "exhausted"
                 break
