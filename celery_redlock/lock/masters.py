@@ -29,9 +29,10 @@ The connect path, and its words:
   command's own deadline and goes out on it as soon as it is there. A connect still under way
   at the deadline goes on: its link is *fresh*, kept for a later round.
 - An idle link is *checked* before it carries anything: one ``poll(0)`` over all the round's
-  links, no round trip, tells a link whose owed replies have arrived (they are read) from one
-  the master closed while it sat idle (its ``timeout``, ``CLIENT KILL``, a restart), which is
-  dropped and replaced within the round: a vote or a release written to it would be lost.
+  links, no round trip, tells a link whose owed replies have arrived (they are left to be read
+  with its next reply) from one the master closed while it sat idle (its ``timeout``,
+  ``CLIENT KILL``, a restart), which is dropped and replaced within the round: a vote or a
+  release written to it would be lost.
 - A master whose connect failed is *down*: rounds vote ``error`` for it at once, and its
   connect is retried on a timer thread of its own, after a *backoff* doubling from
   ``BACKOFF_FLOOR`` to ``BACKOFF_CAP``, until one succeeds: the master is up again with that
@@ -40,6 +41,10 @@ The connect path, and its words:
   master (down, its connect not done by the deadline, a failed write) is *kept* on the master
   and written first on its next new link, or by a delivery task (see ``MAX_UNSENT``): never
   dropped. A round with no idle link always begins its own connect, however many are under way.
+- A round that ends cleanly (every master has a link, none late) leaves its links *parked* as
+  one :class:`LinkSet`, and the next round takes the set whole: one pop and one ``poll(0)``
+  where five idle stacks would cost a loop over the masters to take, check and give back. A set
+  is trusted only in the process and the master generation it was parked in (see LinkSet).
 - Every new link is *identified* before it carries anything: a server whose ``run_id``
   another master of the round already has is one server reached twice (a proxy, an alias, one
   of its other databases). Both masters are then *refused*: their links are closed, and every
@@ -73,7 +78,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool, SentinelManagedConnection
 
-from .._fork import on_fork_in_child
+from .._fork import on_fork_in_child, pid
 from ..errors import ConfigError
 from . import scripts, waiting, wire
 
@@ -89,6 +94,8 @@ RECV_SIZE = 65536
 # finds the end of the stream.
 _RDHUP = getattr(select, "POLLRDHUP", 0)
 _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | _RDHUP
+# What an idle link is watched for: a reply, or the master closing it.
+_WATCH = select.POLLIN | _RDHUP
 
 # A master whose connect failed is down: no round waits for it, and its connect is retried on a
 # timer thread, BACKOFF_FLOOR after the failure and then twice as long after each failure, up to
@@ -123,9 +130,13 @@ REFUSAL_REPORT_INTERVAL = 60.0
 RESOLVE_TIMEOUT = 1.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Outcome:
-    """One master's answer to one command: a reply, an error, or no answer in time."""
+    """One master's answer to one command: a reply, an error, or no answer in time.
+
+    Compared by identity (``eq=False``): the usual outcomes are shared objects (see
+    ``_COMMON_OK``), so a round counts its grants with ``list.count`` at C speed.
+    """
 
     kind: Literal["ok", "error", "timeout"]
     value: Any = None
@@ -146,8 +157,10 @@ _NOT_REDIS = "not-redis"
 # Lock commands answer with one of a handful of values; their outcomes are shared, not rebuilt
 # once per master per round (Outcome is immutable).
 _COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}
-# The outcome of a granted SET, shared by every master that granted one.
+# The outcome of a granted SET, shared by every master that granted one, and of a SET NX
+# refused because the key is there.
 GRANTED = _COMMON_OK[b"OK"]
+HELD = _COMMON_OK[None]
 
 
 def _packed(command: Command) -> bytes:
@@ -167,10 +180,11 @@ class Link:
     before the reply of the next command on this link.
     """
 
-    __slots__ = ("conn", "late", "master", "owed", "poller", "reader", "run_id", "sock", "tls")
+    __slots__ = ("conn", "fd", "late", "master", "owed", "poller", "reader", "run_id", "sock", "tls")
     conn: redis.Connection
     master: Master
     sock: socket.socket
+    fd: int
     poller: waiting.Poller
     reader: wire.Reader
     owed: int
@@ -186,9 +200,10 @@ class Link:
         # Non-blocking: our poll decides when to read, so no call here can wait on its own.
         sock.settimeout(0.0)
         self.sock = sock
+        self.fd = sock.fileno()
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.poller = waiting.poll()  # this socket alone, for waiting on its reply
-        self.poller.register(sock.fileno(), select.POLLIN | _RDHUP)
+        self.poller.register(self.fd, _WATCH)
         self.reader = wire.Reader()
         self.owed = 0
         self.late = False
@@ -210,6 +225,11 @@ class Link:
         """
         if events & _CLOSED:
             return False
+        if _RDHUP and self.owed:
+            # Linux tells a close apart from arrived data (POLLRDHUP), so readable here means
+            # the owed replies are in: they are left for the next read, which takes them and
+            # that command's own reply in one recv.
+            return True
         try:
             self.fill()
         except _IO_ERRORS:
@@ -235,6 +255,8 @@ class Link:
         return replies
 
     def send(self, packed: bytes, deadline: float) -> None:
+        """Write ``packed``: whole in one system call as a rule; only a full socket buffer (the
+        master stopped reading) waits, by ``deadline``."""
         try:
             sent = self.sock.send(packed)
         except _NOT_READY:
@@ -243,7 +265,8 @@ class Link:
             self._send_rest(memoryview(packed)[sent:], deadline)
 
     def _send_rest(self, data: memoryview, deadline: float) -> None:
-        # Only when the socket buffer is full, i.e. the master has stopped reading.
+        """Write what a send left over, by ``deadline``: only when the socket buffer is full,
+        i.e. the master has stopped reading."""
         poller = waiting.poll()
         poller.register(self.sock.fileno(), select.POLLOUT)
         while data:
@@ -273,7 +296,7 @@ class Link:
     def read_reply(self) -> Any:
         """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``."""
         reader = self.reader
-        if reader.buffered():
+        if reader._position < len(reader._buffer):  # reader.buffered(), inlined: once per reply
             # Bytes already read in (the later replies of a pipelined batch) may hold the reply
             # whole: it is taken without a system call; only a part of one waits for more.
             if not self.owed or self.skip_owed():
@@ -802,6 +825,9 @@ class Master:
 
     def close(self) -> None:
         self._closed = True
+        # Every link set parked before now is taken apart by the round that finds it (see
+        # LinkSet): it may hold a link of this master, which may now be refused.
+        _Generation.value += 1
         with self._mutex:
             links = self._idle + self._owing + self._fresh
             self._idle, self._owing, self._fresh = [], [], []
@@ -824,24 +850,86 @@ def _deliver_to_master(master: weakref.ref[Master]) -> None:
 def _checked(masters: Sequence[Master], links: list[Link | None]) -> list[Link | None]:
     """``links`` (idle, one per master, unchecked) with every link the master closed replaced by
     a checked idle link or None. One ``poll(0)`` for them all: no round trip, and one system call
-    per round rather than one per master (a link that owes replies on time is read here, where
-    its next send would have read it; see :meth:`Link.settle`)."""
+    per round rather than one per master (see :meth:`Link.settle`)."""
     poller = waiting.poll()
+    fds = []
     for link in links:
-        if link is not None:
-            poller.register(link.sock.fileno(), select.POLLIN | _RDHUP)
+        if link is None:
+            fds.append(-1)
+        else:
+            poller.register(link.fd, _WATCH)
+            fds.append(link.fd)
     events = poller.poll(0)
-    if not events:
-        return links
-    by_fd = {link.sock.fileno(): i for i, link in enumerate(links) if link is not None}
+    if events:
+        _settle(masters, links, fds, events)
+    return links
+
+
+def _settle(
+    masters: Sequence[Master], links: list[Link | None], fds: list[int], events: list[tuple[int, int]]
+) -> None:
+    """Replace in ``links`` every link that ``poll`` found closed (``fds[i]`` is link i's)."""
     for fd, event in events:
-        i = by_fd[fd]
+        i = fds.index(fd)
         link = links[i]
-        assert link is not None
-        if not link.settle(event):
+        if link is not None and not link.settle(event):
             link.close()
             links[i] = _pop_usable(masters[i]._idle)
-    return links
+
+
+class _Generation:
+    """Counts Master.close() calls (a refusal closes its master too): a link set parked before
+    the latest one is not trusted whole (see LinkSet)."""
+
+    value = 0
+
+
+class LinkSet:
+    """One idle link per master, as a round that ended cleanly left them, with one ``poll``
+    object watching all of them.
+
+    The usual round takes a whole set with one pop and checks it with one ``poll(0)``, where
+    taking five links from five idle stacks, registering each with a new poll object and giving
+    each back cost a loop over the masters apiece. A set holds only links a master's idle stack
+    could hold (none late, none of a refused master), and is trusted whole only in the process
+    and the :class:`_Generation` it was parked in: a set from before a fork is dropped (its
+    sockets are the parent's), and one from before a master was closed or refused is handed
+    back link by link (:meth:`Master.give_back` closes a refused master's).
+    """
+
+    __slots__ = ("fds", "generation", "links", "pid", "poller")
+
+    def __init__(self, links: list[Link]) -> None:
+        self.generation = _Generation.value  # read before the refusals are looked at: see park
+        self.pid = pid()
+        self.links = links
+        self.fds = [link.fd for link in links]
+        self.poller = waiting.poll()
+        for fd in self.fds:
+            self.poller.register(fd, _WATCH)
+
+    @classmethod
+    def park(cls, masters: Sequence[Master], links: list[Link]) -> LinkSet | None:
+        """A new set of ``links``, or None if one of ``masters`` is refused (its link must be
+        closed, which :meth:`Master.give_back` does)."""
+        linkset = cls(links)
+        # A refusal sets Master.refusal before it bumps the generation: one that comes after the
+        # set read the generation makes the set stale; one before is seen here.
+        for master in masters:
+            if master.refusal:
+                return None
+        return linkset
+
+    def trusted(self) -> bool:
+        return self.generation == _Generation.value and self.pid == pid()
+
+    def unpark(self, masters: Sequence[Master]) -> None:
+        """Take an untrusted set apart: its links go back to their masters one by one, or, in a
+        forked child, are dropped unused (never read, never shut down: they are the parent's)."""
+        if self.pid != pid():
+            return
+        for master, link in zip(masters, self.links, strict=True):
+            master.give_back(link)
 
 
 def _pop_usable(stack: list[Link]) -> Link | None:
@@ -1002,11 +1090,39 @@ class Round:
     _pending: list[tuple[int, Future[Link] | None]] | None = None
     _refusal = ""
 
-    def __init__(self, masters: Sequence[Master], carry: Sequence[Command] = ()) -> None:
+    _unclean = False  # a link went late: the round's links go back one by one (see close)
+    # A call under way. Left True only by an exception that cut a call short (a time limit's
+    # SoftTimeLimitExceeded, KeyboardInterrupt, a green pool's Timeout, all raised wherever the
+    # code happens to be): see close.
+    _busy = False
+
+    def __init__(
+        self, masters: Sequence[Master], carry: Sequence[Command] = (), sets: list[LinkSet] | None = None
+    ) -> None:
         self.masters = masters
         self._carry = b"".join(map(_packed, carry)) if carry else b""
         self._carried = len(carry)
-        self.links: list[Link | None] = _checked(masters, [master.take_idle() for master in masters])
+        self._sets = sets
+        linkset = None
+        if sets:
+            try:
+                linkset = sets.pop()  # atomic: no mutex
+            except IndexError:
+                pass  # another thread took the last one
+            else:
+                if not linkset.trusted():
+                    linkset.unpark(masters)
+                    linkset = None
+        self._linkset = linkset
+        links: list[Link | None]
+        if linkset is not None:
+            links = list(linkset.links)
+            events = linkset.poller.poll(0)
+            if events:
+                _settle(masters, links, linkset.fds, events)
+        else:
+            links = _checked(masters, [master.take_idle() for master in masters])
+        self.links = links
         self.failures: list[str] = [""] * len(masters)
         if None in self.links:
             self._find_links()
@@ -1179,6 +1295,7 @@ class Round:
         # The bound: all this call does ends by ``deadline``, connects included. Connects (and
         # name resolution, which has no timeout) run on connector threads and are waited for
         # until then at most; everything else here is non-blocking or waits on a link's poll.
+        self._busy = True  # until the last reply is read: see close
         connecting = self._take_pending(deadline, voting=True) if self._slow else None
         outcomes: list[Outcome] = [_NOT_SENT] * len(commands)
         waiting: list[int] = []
@@ -1200,7 +1317,9 @@ class Round:
             for i in self._connected(connecting, commands, deadline, outcomes, waited=True):
                 outcomes[i] = self._await(i, commands[i], deadline, read_first=False)
             if self._refusal:
+                self._busy = False
                 return [self._refused()] * len(outcomes)
+        self._busy = False
         return outcomes
 
     def call_many(self, batches: Sequence[Sequence[Command]], timeout: float) -> list[list[Outcome]]:
@@ -1213,6 +1332,7 @@ class Round:
         and their outcomes are ``timeout``; an empty batch skips that master.
         """
         deadline = time.monotonic() + timeout
+        self._busy = True  # until the last reply is read: see close
         connecting = self._take_pending(deadline, voting=True) if self._slow else None
         # A batch's commands go out as one piece of bytes, packed once however many masters
         # share the batch (the heartbeat sends every master the same one).
@@ -1245,7 +1365,9 @@ class Round:
                 if self.links[i] is None:
                     results[i] = [firsts[i]] * len(batches[i])
             if self._refusal:
+                self._busy = False
                 return [[self._refused()] * len(batch) for batch in batches]
+        self._busy = False
         return results
 
     def send(self, commands: Sequence[Command | None], timeout: float) -> None:
@@ -1254,6 +1376,7 @@ class Round:
         For a release: the master applies it on arrival, and the link's next use skips the reply.
         """
         deadline = time.monotonic() + timeout
+        self._busy = True  # until every link has counted what it owes: see close
         connecting = self._take_pending(deadline, voting=False) if self._slow else None
         outcomes: list[Outcome] = [_NOT_SENT] * len(commands)
         for _, link in self._send(commands, deadline, outcomes, waited=False, connecting=connecting):
@@ -1263,6 +1386,7 @@ class Round:
                 new_link = self.links[i]
                 assert new_link is not None
                 new_link.owed += 1
+        self._busy = False
 
     def _send(
         self,
@@ -1278,14 +1402,16 @@ class Round:
         release). Masters whose connect is under way (``connecting``) are left to _connected."""
         sent = []
         carry, carried = self._carry, self._carried
-        self._carry, self._carried = b"", 0
+        if carried:
+            self._carry, self._carried = b"", 0
+        links = self.links
         # The same command object goes to every master: pack it once, not once per master.
         last: Command | None = None
         packed = carry
         for i, command in enumerate(commands):
             if command is None and not carried:
                 continue
-            link = self.links[i]
+            link = links[i]
             if link is None:
                 if connecting is not None and any(i == j for j, _ in connecting.pending):
                     continue
@@ -1293,14 +1419,10 @@ class Round:
                     outcomes[i] = Outcome("error", detail=self.failures[i] or "no connection")
                 self._keep(i, command, carry, carried, waited)
                 continue
+            if command is not last:
+                packed = carry + _packed(command) if command is not None else carry
+                last = command
             try:
-                if command is not last:
-                    packed = carry + _packed(command) if command is not None else carry
-                    last = command
-                if link.owed and not link.late:
-                    # Owed replies that are already here are read now, so that the poll below
-                    # does not wake for them.
-                    link.fill()
                 link.send(packed, deadline)
             except _IO_ERRORS as exc:
                 if command is not None:
@@ -1309,7 +1431,8 @@ class Round:
                     self._drop(i, exc)
                 self._keep(i, command, carry, carried, waited)
                 continue
-            link.owed += carried
+            if carried:
+                link.owed += carried
             if command is not None:
                 sent.append((i, link))
         return sent
@@ -1337,6 +1460,7 @@ class Round:
                 if outcome is None:
                     link.owed += 1
                     link.late = True
+                    self._unclean = True
                     return _LATE
                 return outcome
             outcome = self._read(i, command)
@@ -1373,9 +1497,8 @@ class Round:
             return self._drop(i, exc)
         if reply is wire.NOTHING:
             return None  # part of a reply, or only owed ones
-        if type(reply) is not list and reply in _COMMON_OK:
-            return _COMMON_OK[reply]
-        return self._uncommon(i, reply, command)
+        outcome = _COMMON_OK.get(reply) if type(reply) is not list else None
+        return outcome if outcome is not None else self._uncommon(i, reply, command)
 
     def _uncommon(self, i: int, reply: Any, command: Command | None) -> Outcome:
         """The outcome of a reply that is not one of the usual few (off the usual path)."""
@@ -1396,10 +1519,35 @@ class Round:
         if self._pending is not None:  # connects no command waited for: for later rounds
             self._abandon(self._pending)
             self._pending = None
-        for master, link in zip(self.masters, self.links, strict=True):
-            if link is not None:
+        links, self.links = self.links, [None] * len(self.masters)
+        if self._busy:
+            # INVARIANT: a link carries the next command only if what it owes is exactly known.
+            # A call cut short by an exception leaves links whose replies were sent for and not
+            # read, or written and not yet counted as owed: reused, the next round would take an
+            # old "+OK" for its own grant. They are closed. (A command the master had not read
+            # yet may be lost with them: a SET, which grants nothing then, or a release, whose
+            # key then expires with its TTL.)
+            for link in links:
+                if link is not None:
+                    link.close()
+            return
+        sets = self._sets
+        if sets is not None and not self._unclean and not self._refusal and None not in links:
+            # The usual round: its links go back as one set, the same set object if the round
+            # took one and kept every link of it.
+            linkset = self._linkset
+            if linkset is None or linkset.links != links:
+                linkset = LinkSet.park(self.masters, links)  # type: ignore[arg-type]
+            if linkset is not None:
+                sets.append(linkset)
+                return
+        for master, link in zip(self.masters, links, strict=True):
+            if link is None:
+                continue
+            if link.late or master.refusal:
                 master.give_back(link)
-        self.links = [None] * len(self.masters)
+            else:
+                master._idle.append(link)  # give_back's usual case, inlined: one per master per round
 
     def __enter__(self) -> Round:
         return self

@@ -41,7 +41,17 @@ from ..errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
 from . import scripts, wire
 from .clock import now
 from .linger import Lingering
-from .masters import GRANTED, Command, Master, Outcome, Round, refuse_shared_servers, script_template
+from .masters import (
+    GRANTED,
+    HELD,
+    Command,
+    LinkSet,
+    Master,
+    Outcome,
+    Round,
+    refuse_shared_servers,
+    script_template,
+)
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -147,16 +157,27 @@ class Redlock:
         # the Redlock (a bound method would keep the Redlock alive for as long as the thread
         # runs), and a Redlock dropped without close() is closed when it is collected: its
         # lingering releases are sent, the ticker stops, every idle link is closed.
+        # Whole sets of idle links, one per master, that rounds leave and take (see LinkSet).
+        self._sets: list[LinkSet] = []
+        on_fork_in_child(self._after_fork_in_child)
         self._lingering = (
-            Lingering(self.release_linger, functools.partial(_send, self.masters, self.request_timeout))
+            Lingering(
+                self.release_linger, functools.partial(_send, self.masters, self._sets, self.request_timeout)
+            )
             if self.release_linger
             else None
         )
-        self._finalizer = weakref.finalize(self, _close_quietly, self._lingering, self.masters)
+        self._finalizer = weakref.finalize(self, _close_quietly, self._lingering, self.masters, self._sets)
         self._finalizer.atexit = False  # at exit, linger's own hook sends what still lingers
 
     def __repr__(self) -> str:
         return f"<Redlock {len(self.masters)} masters quorum={self.quorum} ttl={self.ttl}s>"
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's parked links are the parent's: dropped unused, as Master drops its idle
+        # stacks, which closes only the child's copies of their sockets. Emptied in place: the
+        # linger sender holds the same list.
+        self._sets.clear()
 
     # -- public factory --------------------------------------------------------------------------
     def lock(
@@ -185,7 +206,7 @@ class Redlock:
 
         Safe to call again; the Redlock stays usable (a later operation reconnects).
         """
-        _close(self._lingering, self.masters)
+        _close(self._lingering, self.masters, self._sets)
 
     def __enter__(self) -> Redlock:
         return self
@@ -213,7 +234,7 @@ class Redlock:
     def _round(self) -> Round:
         # Lingering releases ride along with whatever this round sends first.
         lingering = self._lingering
-        return Round(self.masters, lingering.take() if lingering is not None else ())
+        return Round(self.masters, lingering.take() if lingering is not None else (), self._sets)
 
     def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> tuple[list[Vote], int]:
         """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
@@ -245,8 +266,10 @@ class Redlock:
         with self._round() as rnd:
             outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
             elapsed = now() - t_start
-            if outcomes.count(GRANTED) == len(outcomes):  # the usual round: compared by identity
+            if outcomes.count(GRANTED) == len(outcomes):  # the usual rounds: compared by identity
                 votes, granted = list(self._granted_votes), len(outcomes)
+            elif outcomes.count(HELD) == len(outcomes):
+                votes, granted = list(self._refused_votes), 0
             else:
                 votes, granted = self._votes(outcomes, granted=b"OK")
             validity = ttl - elapsed - self.drift(ttl)
@@ -403,23 +426,33 @@ def _milliseconds(ttl: float) -> int:
     return math.ceil(ttl * 1000)
 
 
-def _send(masters: Sequence[Master], timeout: float, commands: Sequence[Command]) -> None:
+def _send(
+    masters: Sequence[Master], sets: list[LinkSet], timeout: float, commands: Sequence[Command]
+) -> None:
     """Send ``commands`` (lingering releases) to every master in a round of their own."""
-    with Round(masters, commands) as rnd:
+    with Round(masters, commands, sets) as rnd:
         rnd.send([None] * len(masters), timeout)
 
 
-def _close(lingering: Lingering | None, masters: Sequence[Master]) -> None:
+def _close(lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet]) -> None:
     if lingering is not None:
         lingering.close()
     for master in masters:
         master.close()
+    while sets:
+        try:
+            linkset = sets.pop()
+        except IndexError:
+            break  # another thread's round took the last one
+        if linkset.pid == pid():  # a parent's sets are the parent's to close
+            for link in linkset.links:
+                link.close()
 
 
-def _close_quietly(lingering: Lingering | None, masters: Sequence[Master]) -> None:
+def _close_quietly(lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet]) -> None:
     """:func:`_close` for a Redlock being collected: nobody is there to hear of a failure."""
     try:
-        _close(lingering, masters)
+        _close(lingering, masters, sets)
     except Exception:
         logger.warning("closing a dropped Redlock failed", exc_info=True)
 

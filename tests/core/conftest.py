@@ -70,3 +70,22 @@ def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
             return True
         time.sleep(0.01)
     return bool(predicate())
+
+
+def set_idle_timeout(servers: ServerSet, seconds: int) -> None:
+    for server in servers:
+        client = server.client()
+        try:
+            client.config_set("timeout", seconds)
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def idle_timeout(masters: ServerSet) -> Iterator[ServerSet]:
+    """The masters close connections idle for more than one second (as managed Redis does)."""
+    set_idle_timeout(masters, 1)
+    try:
+        yield masters
+    finally:
+        set_idle_timeout(masters, 0)

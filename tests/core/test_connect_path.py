@@ -45,23 +45,14 @@ def clients_of(server: RedisServer) -> int:
         client.close()
 
 
-def set_idle_timeout(servers: ServerSet, seconds: int) -> None:
-    for server in servers:
-        client = server.client()
-        try:
-            client.config_set("timeout", seconds)
-        finally:
-            client.close()
-
-
-@pytest.fixture
-def idle_timeout(masters: ServerSet) -> Iterator[ServerSet]:
-    """The masters close connections idle for more than one second (as managed Redis does)."""
-    set_idle_timeout(masters, 1)
+def clients_named(server: RedisServer, name: str) -> int:
+    """How many connections named ``name`` the server holds (a shared server also holds the
+    connections other tests are still closing)."""
+    client = server.client()
     try:
-        yield masters
+        return sum(1 for entry in client.client_list() if entry.get("name") == name)
     finally:
-        set_idle_timeout(masters, 0)
+        client.close()
 
 
 def wait_until_idle_closed(servers: ServerSet) -> None:
@@ -328,3 +319,69 @@ def test_two_masters_that_are_one_server_stop_the_redlock_granting(masters: Serv
             finally:
                 client.close()
         assert none_left(masters, "redlock:aliased*")
+
+
+# -- 6. whole sets of idle links ------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_rounds_reuse_one_link_per_master(masters: ServerSet) -> None:
+    """A round leaves its links as one set and the next takes it whole (Round, LinkSet): a
+    thousand lock operations in one thread hold one connection per master, no more."""
+    name = "one-link-test"
+    # Named, so that connections other tests left closing are not counted.
+    with Redlock([f"{url}?client_name={name}" for url in masters.urls], retry_count=0) as rl:
+        lock = rl.lock("one-link", ttl=5)
+        for _ in range(1000):
+            assert lock.acquire(timeout=5), lock.last_error
+            lock.release()
+        assert [clients_named(server, name) for server in masters] == [1] * len(masters)
+
+
+@pytest.mark.timeout(60)
+def test_a_parked_set_is_not_trusted_once_a_master_is_found_to_be_another(masters: ServerSet) -> None:
+    """A set of links parked while master 4 was its own server; then the address of master 4
+    leads to master 3's server. The round that takes the set finds the link closed, connects
+    anew, learns the two are one server and refuses both; no later round votes with the set."""
+    first = Proxy(masters[4].address).start()
+    port = first.port
+    name = "parked-set-test"
+    urls = [f"{url}?client_name={name}" for url in (*masters.urls[:4], first.url)]
+    with Redlock(urls, retry_count=0) as rl:
+        lock = rl.lock("parked", ttl=5)
+        assert lock.acquire(timeout=5), lock.last_error
+        lock.release(linger=False)
+        first.close()  # its connections are reset
+        with Proxy(masters[3].address, port=port) as alias:
+            for attempt in range(3):
+                try:
+                    acquired = rl.lock(f"parked-{attempt}", ttl=5).acquire(blocking=False)
+                except ConfigError as error:
+                    assert alias.address in str(error), error
+                else:
+                    assert not acquired, "granted with one server counted twice"
+            with pytest.raises(ConfigError):
+                rl.lock("parked-later", ttl=5).acquire(blocking=False)
+            # Neither refused master keeps a link of this Redlock open.
+            assert wait_for(lambda: alias.connections() == 0, 5.0), alias.connections()
+            assert wait_for(lambda: clients_named(masters[3], name) == 0, 5.0)
+    assert none_left(masters, "redlock:parked*")
+
+
+@pytest.mark.timeout(60)
+def test_a_set_parked_before_a_refusal_is_taken_apart(masters: ServerSet) -> None:
+    """The refusal can come from another thread's round while a whole set of open links sits
+    parked (Round._identify calls Master.refuse on both masters, as here). The next round must not
+    vote with that set: it is handed back link by link, the refused masters' links are closed,
+    and the round refuses to count votes."""
+    name = "parked-refusal-test"
+    with Redlock([f"{url}?client_name={name}" for url in masters.urls], retry_count=0) as rl:
+        lock = rl.lock("parked-refusal", ttl=5)
+        assert lock.acquire(timeout=5), lock.last_error
+        lock.release(linger=False)
+        assert rl._sets, "the round parked no set of links"
+        reason = "masters 3 and 4 are one server (as found by another thread's round)"
+        rl.masters[3].refuse(reason)
+        rl.masters[4].refuse(reason)
+        with pytest.raises(ConfigError, match="one server"):
+            rl.lock("parked-refusal-2", ttl=5).acquire(blocking=False)
+        assert wait_for(lambda: clients_named(masters[3], name) + clients_named(masters[4], name) == 0, 5.0)
+    assert none_left(masters, "redlock:parked-refusal*")

@@ -107,7 +107,9 @@ def take_a_new_lock(
 def warm(redlock: Redlock) -> None:
     """Give every master idle connections, as a busy parent's would have at the fork."""
     lock = redlock.lock("fork-warm", ttl=5)
-    assert lock.acquire(blocking=False), lock.last_error
+    # Retried: on a loaded machine the first round's connects may outlast request_timeout, and a
+    # later round finds them made. What is tested comes after.
+    assert lock.acquire(timeout=5), lock.last_error
     lock.release(linger=False)
 
 
@@ -128,7 +130,7 @@ def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], wor
 
 def test_a_master_mutex(masters: ServerSet, rl: Redlock) -> None:
     def work() -> str:
-        inherited = sum(len(m._idle) + len(m._owing) for m in rl.masters)
+        inherited = sum(len(m._idle) + len(m._owing) for m in rl.masters) + len(rl._sets)
         if inherited:
             return f"the child kept {inherited} of its parent's connections"
         report = take_a_new_lock(rl, "fork-master")
