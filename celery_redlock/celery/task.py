@@ -22,6 +22,7 @@ with this process's next command to the masters; the retry, revoke and shutdown 
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import random
@@ -51,7 +52,7 @@ from .settings import (
     RedlockSettings,
     app_redlock,
 )
-from .slots import PUBLISHED_HEADER, SLOT_SEPARATOR, slot_name
+from .slots import PUBLISHED_HEADER, SLOT_HEADER, SLOT_SEPARATOR, read_stamp, slot_name, slot_period
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -59,6 +60,8 @@ ATTEMPT_HEADER = "redlock_attempt"
 _REQUEST_ATTR = "_redlock_held"
 # Set on the request of a run skipped by lock_contended="skip": the marker its body returns.
 _SKIP_ATTR = "_redlock_skipped"
+# Set on a marked request once the tracer's call of the run has begun (see _enter_run).
+_ENTERED_ATTR = "_redlock_entered"
 # The key of the marker a skipped run returns as its result (see is_skipped).
 SKIPPED = "redlock_skipped"
 _HOST = json.dumps(socket.gethostname())
@@ -130,6 +133,11 @@ class RedlockTaskMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        # A subclass's own __call__ comes before ours in the MRO, and may call ``run`` itself: a
+        # skipped run must return its marker before any of it runs, or its body runs unlocked.
+        own_call = cls.__dict__.get("__call__")
+        if own_call is not None and not getattr(own_call, "_redlock_guarded", False):
+            cls.__call__ = _guard_call(own_call)  # type: ignore[method-assign]
         func, bound = _resolve_run(cls)
         if func is None:
             return  # an abstract base: nothing to bind against yet
@@ -150,17 +158,17 @@ class RedlockTaskMixin:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The body, or, for a run skipped by ``lock_contended="skip"``, its marker instead.
 
-        Defining ``__call__`` makes Celery's tracer call the task rather than its ``run``; a
-        run it traces (its request marked in before_start) calls ``run`` as the tracer would,
-        and anything else (a direct call ``charge(42)``) is Celery's own ``__call__``.
+        Defining ``__call__`` makes Celery's tracer call the task rather than its ``run``. The
+        tracer's one call of a run (its request marked in before_start, not yet entered) returns
+        the skip marker or calls ``run`` as the tracer would; any later call under that request is
+        a direct call from the body, and anything else (``charge(42)``) is Celery's own
+        ``__call__``, which gives the call a request of its own.
         """
-        request = self.request_stack.top  # type: ignore[attr-defined]
-        if request is not None:
-            marker = getattr(request, _SKIP_ATTR, None)
-            if marker is not None:
-                return marker
-            if getattr(request, _REQUEST_ATTR, None) is not None and not self._redlock_custom_call:
-                return self.run(*args, **kwargs)  # type: ignore[attr-defined]
+        marker, traced = _enter_run(self)
+        if marker is not None:
+            return marker
+        if traced and not self._redlock_custom_call:
+            return self.run(*args, **kwargs)  # type: ignore[attr-defined]
         return super().__call__(*args, **kwargs)  # type: ignore[misc]
 
     # -- the current execution's lock -------------------------------------------------------------
@@ -245,10 +253,7 @@ class RedlockTaskMixin:
         name = self.lock_name(args, kwargs)
         request = self.request  # a lookup through Celery's request stack each time
         if options.slot is not None:
-            published = _header(request, PUBLISHED_HEADER)
-            if published is None:
-                published = self._redlock_unstamped_time(request)
-            name = f"{name}{SLOT_SEPARATOR}{slot_name(options.slot, float(published))}"
+            name = f"{name}{SLOT_SEPARATOR}{self._redlock_slot(request, options.slot)}"
         # Who holds it, stored beside the token in the same SET: a contender tells an earlier
         # attempt of its own task from a duplicate, and an operator sees host, pid and since.
         holder = f'{{"task":{json.dumps(task_id)},"host":{_HOST},"pid":{pid()},"since":{time.time():.3f}}}'
@@ -284,6 +289,28 @@ class RedlockTaskMixin:
                 elapsed=held.acquired_at - started,
             )
         logger.debug("task %s[%s] acquired %s", self.name, task_id, lock.name)
+
+    def _redlock_slot(self, request: Any, spec: Any) -> str:
+        """The slot this run belongs to: the beat's stamp, taken as it is, when the message has
+        one; else computed from the publish time (see :mod:`.slots` for what that cannot know)."""
+        stamp = _header(request, SLOT_HEADER)
+        if stamp is not None:
+            slot = read_stamp(stamp)
+            if slot is not None:
+                return slot
+            # Only a foreign publisher writes a header of that name wrongly; the run still
+            # belongs somewhere, and the publish time is the next best witness.
+            logger.warning(
+                "task %s: %s header %r is not an ISO 8601 time with its UTC offset; the slot "
+                "comes from the publish time instead",
+                self.name,
+                SLOT_HEADER,
+                stamp,
+            )
+        published = _header(request, PUBLISHED_HEADER)
+        if published is None:
+            published = self._redlock_unstamped_time(request)
+        return slot_name(spec, float(published))
 
     def _redlock_unstamped_time(self, request: Any) -> float:
         """The time that places a message without our publish stamp in its ``lock_slot``.
@@ -474,9 +501,11 @@ class RedlockTaskMixin:
         request = self.request
         headers = dict(getattr(request, "headers", None) or {})
         headers[ATTEMPT_HEADER] = attempt
-        published = _header(request, PUBLISHED_HEADER)
-        if published is not None:
-            headers[PUBLISHED_HEADER] = published  # the slot is the original publish's
+        # The retried run keeps the slot of the original message, whatever time it runs at.
+        for name in (SLOT_HEADER, PUBLISHED_HEADER):
+            value = _header(request, name)
+            if value is not None:
+                headers[name] = value
         sig = self.signature_from_request(  # type: ignore[attr-defined]
             request,
             None,
@@ -574,6 +603,39 @@ def _eta_timestamp(eta: Any) -> float | None:
         return None
     when: dt.datetime = eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
     return when.timestamp()
+
+
+def _enter_run(task: Any) -> tuple[Any, bool]:
+    """(the skip marker or None, whether this is the tracer's call) for a call of ``task``.
+
+    The first call under a request that before_start marked is the tracer's: it is recorded as
+    entered, so a call of the task from inside its own body is seen as the direct call it is.
+    """
+    request = task.request_stack.top
+    if request is None or getattr(request, _ENTERED_ATTR, False):
+        return None, False
+    marker = getattr(request, _SKIP_ATTR, None)
+    if marker is None and getattr(request, _REQUEST_ATTR, None) is None:
+        return None, False
+    setattr(request, _ENTERED_ATTR, True)
+    return marker, True
+
+
+def _guard_call(own_call: Callable[..., Any]) -> Callable[..., Any]:
+    """``own_call`` (a subclass's ``__call__``), preceded by the skip check."""
+
+    @functools.wraps(own_call)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        request = self.request_stack.top
+        if request is not None and not getattr(request, _ENTERED_ATTR, False):
+            marker = getattr(request, _SKIP_ATTR, None)
+            if marker is not None:
+                setattr(request, _ENTERED_ATTR, True)
+                return marker
+        return own_call(self, *args, **kwargs)
+
+    __call__._redlock_guarded = True  # type: ignore[attr-defined]
+    return __call__
 
 
 def _holder_task(holder: str | None) -> str | None:
@@ -729,6 +791,15 @@ def check_app(app: Any) -> list[str]:
                 f"task {task.name!r}: lock_heartbeat is off, so its lock lasts lock_ttl "
                 f"{options.ttl} s; a run longer than that is no longer exclusive"
             )
+        if options.slot is not None and options.release == "on_expiry":
+            period = slot_period(options.slot, time.time())
+            if options.ttl < period:
+                problems.append(
+                    f"task {task.name!r}: lock_slot with lock_release='on_expiry' and lock_ttl "
+                    f"{options.ttl:g} s, shorter than its schedule's period ({period:g} s): copies "
+                    "of one tick from beats that do not share one leader (two plain beats) arrive "
+                    "up to a period apart, and a copy that comes after the lock expired runs again"
+                )
         acks_late = task.acks_late if task.acks_late is not None else app.conf.task_acks_late
         if acks_late and broker.startswith(("redis://", "rediss://", "redis+socket://")):
             longest = max(options.ttl, float(task.time_limit or app.conf.task_time_limit or 0))

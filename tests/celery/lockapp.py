@@ -225,7 +225,7 @@ def mixed(self: AuditedLocked, key: str, record_to: str) -> str:
     lock_slot=60.0,
     lock_release="on_expiry",
     lock_contended="skip",
-    lock_ttl=20.0,
+    lock_ttl=60.0,  # a period: copies of one tick may arrive that far apart (check_app says so)
     name="lockapp.per_slot",
 )
 def per_slot(self: RedlockTask, key: str, record_to: str) -> str:
@@ -275,7 +275,7 @@ def retry_no_throw(self: RedlockTask, key: str, record_to: str) -> int:
     base=RedlockTask,
     lock_key="res:<key>",
     lock_contended="skip",
-    lock_ttl=4.0,  # longer than the worker takes to see the loss and requeue the message
+    lock_ttl=10.0,  # longer than the worker takes to see the loss and requeue the message, loaded
     acks_late=True,
     reject_on_worker_lost=True,
     name="lockapp.crash_once",

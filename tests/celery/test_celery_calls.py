@@ -161,7 +161,8 @@ def test_lock_slot_from_a_publisher_without_our_hooks(
     assert name.startswith(f"slot:{tag}@"), name
     slot = dt.datetime.fromisoformat(name.split("@", 1)[1])
     assert slot.timestamp() % 60 == 0
-    assert before - 30 <= slot.timestamp() <= after + 30, (before, name, after)
+    # The last slot begun by the time the run placed it (see celery_redlock.celery.slots).
+    assert before - 60 < slot.timestamp() <= after, (before, name, after)
     assert [r["lock"] for r in records(lockapp, tag)] == [name]
     deadline = time.monotonic() + 5  # said once per task and process, at INFO
     while not any("without the redlock_published header" in w.log_text() for w in workers):

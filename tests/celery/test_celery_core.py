@@ -165,7 +165,7 @@ def test_lock_retries_leave_the_tasks_own_retry_budget(
     _, queue, _ = pool
     with Redlock(redlock_master_urls) as holder:
         lock = holder.lock(f"res:{tag}", ttl=30)
-        assert lock.acquire(blocking=False)
+        assert lock.acquire(timeout=5), lock.last_error  # retried: a fresh Redlock connects first
         # own_retry fails at once on contention; hold() retries: use hold() to burn lock retries.
         result = lockapp.hold.apply_async((tag, 0.0, tag), queue=queue)
         wait_until(
@@ -193,7 +193,7 @@ def test_the_tasks_own_retry_starts_its_lock_attempts_afresh(
     _, queue, _ = pool
     with Redlock(redlock_master_urls) as holder:
         lock = holder.lock(f"res:{tag}", ttl=30)
-        assert lock.acquire(blocking=False)
+        assert lock.acquire(timeout=5), lock.last_error  # retried: a fresh Redlock connects first
         result = lockapp.waits_then_retries.apply_async((tag, tag), queue=queue)
         wait_until(
             lambda: len([r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]) >= 2,

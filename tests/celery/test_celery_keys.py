@@ -85,14 +85,16 @@ def test_bad_option_values_name_the_task_and_option() -> None:
 def test_slots_align_to_the_epoch_and_to_cron_fire_times() -> None:
     from celery.schedules import crontab
 
-    # Two sends of one 60 s tick, 18 s apart around the boundary: one slot; the next tick differs.
+    # A beat sends a tick at or after its boundary, never before: every send from the boundary up
+    # to the next one is that tick's, however late; the next tick differs.
     base = 1_700_000_040.0  # a multiple of 60
-    assert slot_name(60, base - 9) == slot_name(60, base + 9)
-    assert slot_name(60, base + 9) != slot_name(60, base + 60)
+    assert slot_name(60, base) == slot_name(60, base + 9) == slot_name(60, base + 59.9)
+    assert slot_name(60, base + 59.9) != slot_name(60, base + 60)
+    assert slot_name(60, base - 0.1) != slot_name(60, base)
     every5 = crontab(minute="*/5")
     fire = dt.datetime(2024, 1, 1, 10, 5, tzinfo=dt.timezone.utc).timestamp()
-    assert slot_name(every5, fire + 1) == slot_name(every5, fire + 40) == "2024-01-01T10:05:00+00:00"
-    assert slot_name(every5, fire - 3) == "2024-01-01T10:05:00+00:00"
+    assert slot_name(every5, fire + 1) == slot_name(every5, fire + 290) == "2024-01-01T10:05:00+00:00"
+    assert slot_name(every5, fire - 3) == "2024-01-01T10:00:00+00:00"
 
 
 def test_binding_agrees_with_inspect_for_every_way_of_calling() -> None:

@@ -76,7 +76,7 @@ def test_a_contended_eager_run_waits_in_process_and_never_publishes(
     call = task.apply if mode == "apply" else (lambda args: task.delay(*args))
     with Redlock(redlock_master_urls) as other:
         holder = other.lock("eager:1", ttl=10)
-        assert holder.acquire(blocking=False)
+        assert holder.acquire(timeout=5), holder.last_error  # retried: a fresh Redlock connects first
         started = time.monotonic()
         result = call((1,))
         # Four in-process retries of at most 0.2 s each, then the budget's own end.
@@ -104,7 +104,7 @@ def test_an_eager_run_with_no_retry_budget_waits_one_ttl_at_most(
     eager_app.conf.task_always_eager = True
     with Redlock(redlock_master_urls) as other:
         holder = other.lock("eager:2", ttl=10)
-        assert holder.acquire(blocking=False)
+        assert holder.acquire(timeout=5), holder.last_error  # retried: a fresh Redlock connects first
         started = time.monotonic()
         result = task.delay(2)
         assert time.monotonic() - started < 1.5
@@ -235,8 +235,9 @@ def test_a_skip_stores_no_result_under_ignore_result(
 def test_a_base_with_its_own_call_wrapper_still_wraps_every_run(
     eager_app: Celery, redlock_master_urls: list[str]
 ) -> None:
-    """RedlockTask defines __call__ (for the skip marker); a user's base that wraps every run in
-    a __call__ of its own must still be called, locked runs and skips alike."""
+    """RedlockTask defines __call__ (for the skip marker); a user's base that wraps every run of
+    the body in a __call__ of its own must still be called. (A skip runs no user code at all: it
+    returns the marker, unwrapped.)"""
     from celery import Task
 
     from celery_redlock import RedlockTaskMixin
@@ -256,3 +257,49 @@ def test_a_base_with_its_own_call_wrapper_still_wraps_every_run(
 
     assert job.apply((4,)).get() == ["wrapped", 4]
     assert job(5) == ["wrapped", 5]  # a direct call: the plain function, through the wrapper
+
+
+@pytest.mark.timeout(30)
+def test_a_skip_runs_no_body_even_under_a_subclass_call_that_calls_run(
+    eager_app: Celery, redlock_master_urls: list[str]
+) -> None:
+    """Found by review: a subclass whose own __call__ calls ``self.run`` comes before the mixin's
+    __call__ in the MRO, so a skipped run executed its body unlocked (4 bodies at once on real
+    workers). A skip must never reach user code that runs the body."""
+
+    class Runs(RedlockTask):  # type: ignore[misc]
+        abstract = True
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.run(*args, **kwargs)
+
+    ran: list[int] = []
+
+    @eager_app.task(
+        base=Runs, lock_key="runs:<n>", lock_contended="skip", name="eager.runs", lazy=False, shared=False
+    )
+    def job(n: int) -> int:
+        ran.append(n)
+        return n
+
+    with Redlock(redlock_master_urls) as other, other.lock("runs:1", ttl=10):
+        value = job.apply((1,)).get()
+    assert is_skipped(value) and ran == [], (value, ran)
+    assert job.apply((1,)).get() == 1 and ran == [1]  # free: it runs, through the subclass's call
+
+
+@pytest.mark.timeout(30)
+def test_a_direct_call_inside_a_locked_body_gets_its_own_arguments(
+    eager_app: Celery, redlock_master_urls: list[str]
+) -> None:
+    """Found by review: a direct (recursive) call of the task from its own locked body saw the
+    outer run's request (its args), where plain Celery gives the inner call a request of its own."""
+    seen: list[tuple[int, Any]] = []
+
+    @eager_app.task(bind=True, base=RedlockTask, lock_key="rec", name="eager.rec", lazy=False, shared=False)
+    def rec(self: RedlockTask, n: int) -> int:
+        seen.append((n, tuple(self.request.args or ())))
+        return rec(n - 1) if n else 0
+
+    assert rec.apply((1,)).get() == 0
+    assert seen == [(1, (1,)), (0, (0,))], seen
