@@ -81,3 +81,29 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def instant(name: str, value: object) -> float:
+    """``value`` (an aware ``datetime``, or an ISO 8601 string with its UTC offset) as seconds
+    since the epoch, else a :class:`ConfigError`. A local time without its offset is refused:
+    which instant it means would depend on the zone of the process reading it."""
+    import datetime as dt
+
+    parsed = value
+    if isinstance(value, str):
+        try:
+            parsed = dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise ConfigError(
+                f"{name} must be an ISO 8601 time with its UTC offset, such as "
+                f"'2024-01-01T00:00:00+00:00', got {value!r}"
+            ) from None
+    if not isinstance(parsed, dt.datetime):
+        raise ConfigError(
+            f"{name} must be a datetime or an ISO 8601 string, got {type(value).__name__} {value!r}"
+        )
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        raise ConfigError(
+            f"{name} must carry its UTC offset (a local time names no one instant), got {value!r}"
+        )
+    return parsed.timestamp()

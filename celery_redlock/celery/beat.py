@@ -15,15 +15,42 @@ Why each part is the way it is:
 - Validity is checked again just before every message is sent, and a leader with less than
   ``redlock_beat_min_validity`` seconds left does not send: a leader that was paused or cut off
   from a majority stops before another process can have taken over.
-- A standby runs the wrapped scheduler's bookkeeping too (entries advance, nothing is sent), so
-  when it takes over it carries on from the current slot instead of "catching up" the slots the
-  old leader already sent. The standby ticks every ``redlock_beat_standby_interval`` seconds and
-  tries to take the lock each time: after the leader dies, a standby dispatches within the lock's
-  TTL plus one standby tick.
-- Interval schedules (``schedule(T)``, ``"schedule": 30.0``) fire at multiples of ``T`` since
-  the epoch rather than ``T`` after the process started (``redlock_beat_align_intervals``): every
-  beat, and so every successive leader, then agrees on when a slot is, and the slot a message
-  belongs to (:mod:`celery_redlock.slots`) is the one it was sent for.
+- A standby *follows* the schedule, so that when it takes over it carries on from the current
+  slot instead of "catching up" the slots the old leader already sent. How depends on where the
+  wrapped scheduler keeps its state (:class:`SchedulerKind`):
+
+  - *process-local* (``PersistentScheduler``: memory and a local shelve file): the standby runs
+    the wrapped bookkeeping too (entries advance, nothing is sent);
+  - *shared* (django-celery-beat's ``DatabaseScheduler``, redbeat's ``RedBeatScheduler``: a
+    database or a Redis every beat reads): the store *is* the follow, and a standby must never
+    write it (its tick would record runs it never sent, and the leader would then see nothing
+    due). A standby does not even set the wrapped scheduler up; whoever takes the lead drops
+    what it may have cached from an earlier term, installs the static entries and reads the store
+    afresh. The leader writes each run to the store just before sending it, so a successor finds
+    the runs already sent, and a leader that may not send records nothing.
+
+  Any other scheduler is refused at start-up unless ``redlock_beat_scheduler_state = "local"``
+  says its state is process-local. The standby ticks every ``redlock_beat_standby_interval``
+  seconds and tries to take the lock each time: after the leader dies, a standby dispatches
+  within the lock's TTL plus one standby tick.
+- Every message the leader sends carries the due time it was fired for (the *slot stamp*,
+  header ``redlock_slot``, see :func:`celery_redlock.celery.slots.intended_fire`), so a
+  ``lock_slot`` task places it without guessing from the publish time.
+- Interval schedules keep celery's meaning by default: a tick ``T`` after the previous run.
+  With ``redlock_beat_align_intervals`` they fire at ``anchor + k*T`` instead
+  (``redlock_beat_align_anchor``, the epoch by default), which is opt-in because it changes
+  what an interval means (a 7-day interval on the epoch's grid fires on Thursdays, 00:00 UTC).
+
+  Why the stamp does not make alignment unnecessary for HA: the stamp says which tick *a sender*
+  meant, but without alignment each beat's interval ticks count from its own start, so the
+  leader and a standby mean different instants by "the next tick". After a handover the new
+  leader's first tick comes at its own phase: anything from just after the old leader's last
+  send to a whole period later. Both sends carry honest, different stamps, so the worker runs
+  both; what was one tick per period becomes two in one period (or a gap nearly twice as long).
+  Aligned, every beat has the same boundaries: the standby follows the leader's ticks exactly,
+  its first send is the boundary after the leader's last, and the stamps of successive leaders
+  agree (the HA tests count slots this way). crontab and solar entries need no alignment: their
+  fire times are the same for every beat, and so are their stamps.
 - Slots are decided by each host's wall clock. A leader that shuts down cuts its lock to
   ``redlock_beat_min_validity`` rather than deleting it, and never sends with less than that
   left, so hosts whose clocks disagree by less than ``redlock_beat_min_validity`` never send
@@ -52,18 +79,19 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from celery.beat import Scheduler
+from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import schedstate, schedule
 from celery.utils.dispatch import Signal
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
 from .._fork import on_fork_in_child
-from .._validate import flag, number
+from .._validate import choice, flag, instant, number
 from ..errors import ConfigError
 from ..lock.heartbeat import process_heartbeat
 from ..lock.redlock import Lock, Redlock, lock_key
 from . import hooks
 from .settings import read_settings
+from .slots import SLOT_HEADER, intended_fire, render
 
 logger = logging.getLogger("celery_redlock.beat")
 
@@ -88,6 +116,112 @@ LEADER_SUFFIX = ":leader"
 # A standby runs the wrapped tick until nothing is due; this bounds that loop for a schedule
 # whose entries claim to be due again at once.
 MAX_FOLLOW_STEPS = 1000
+
+
+# -- the kinds of scheduler a standby knows how to follow ----------------------------------------
+def _leave_as_is(scheduler: Any) -> None:
+    pass
+
+
+def _leave_reserved_as_is(scheduler: Any, reserved: Any) -> None:
+    pass
+
+
+def _forget_database_schedule(scheduler: Any) -> None:
+    # django-celery-beat caches the rows it read (re-read only when a row is edited, or every 5
+    # minutes), and keeps the runs it has not written yet in _dirty: a former leader's runs, which
+    # would now overwrite its successor's newer last_run_at. These attributes are the same from
+    # 2.5 to 2.9.
+    scheduler._dirty.clear()
+    scheduler._initial_read = True
+    scheduler._heap = None
+
+
+def _keep_reserved_database_entry(scheduler: Any, reserved: Any) -> None:
+    # django-celery-beat saves the entry it holds in _schedule, not the one reserve() returned,
+    # and after setup_schedule (update_from_dict) the two are different model objects: the save
+    # wrote the *previous* last_run_at, and the next re-read of the rows (the setup's own writes
+    # mark the schedule changed) made the tick due again: one tick sent twice at a handover.
+    # The reserved entry, carrying the new last_run_at, is the one to save.
+    if reserved.name in scheduler._schedule:
+        scheduler._schedule[reserved.name] = reserved
+
+
+def _turn_redbeat_lock_off(scheduler: Any) -> None:
+    # redbeat's own lock, on one Redis, lets one beat process run at all: the others block in
+    # beat_init. Ours takes its place. The setting stays as the user wrote it; only this
+    # scheduler's copy is cleared, before beat_init reads it.
+    if scheduler.lock_key:
+        logger.info("redbeat's own lock %s is not taken: the leader lock takes its place", scheduler.lock_key)
+        scheduler.lock_key = None
+
+
+@dataclass(frozen=True)
+class SchedulerKind:
+    """What :class:`RedlockScheduler` knows of one kind of wrapped scheduler.
+
+    ``shared``: its state lives in a store every beat reads (a database, a Redis), so a standby
+    leaves it alone; otherwise it lives in the process, and a standby runs the bookkeeping
+    itself. ``adopt`` runs once on each new scheduler; ``forget`` drops what a scheduler cached
+    of the store in an earlier term as leader, before it sets up again on taking the lead.
+    """
+
+    name: str
+    classes: tuple[str, ...]  # "module:Class" of the classes this kind covers
+    shared: bool
+    adopt: Callable[[Any], None] = _leave_as_is
+    forget: Callable[[Any], None] = _leave_as_is
+    reserved: Callable[[Any, Any], None] = _leave_reserved_as_is  # before the run is written
+
+
+LOCAL = SchedulerKind("process-local", ("celery.beat:PersistentScheduler", "celery.beat:Scheduler"), False)
+SHARED_KINDS = (
+    SchedulerKind(
+        "django-celery-beat",
+        ("django_celery_beat.schedulers:DatabaseScheduler",),
+        True,
+        forget=_forget_database_schedule,
+        reserved=_keep_reserved_database_entry,
+    ),
+    SchedulerKind("redbeat", ("redbeat.schedulers:RedBeatScheduler",), True, adopt=_turn_redbeat_lock_off),
+)
+# What the error for an unknown scheduler names; redbeat documents the shorter path.
+KNOWN_TO_WORK = (
+    "celery.beat:PersistentScheduler",
+    "celery.beat:Scheduler",
+    "django_celery_beat.schedulers:DatabaseScheduler",
+    "redbeat:RedBeatScheduler",
+)
+SCHEDULER_STATES = ("local",)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def scheduler_kind(inner: type, state: str | None) -> SchedulerKind:
+    """The kind of ``inner`` (the class to wrap), given ``redlock_beat_scheduler_state``.
+
+    A subclass of a shared kind is that kind (its state is where its base keeps it); a process-
+    local kind is recognised only by its exact class, since a subclass may keep state elsewhere.
+    """
+    path = _class_path(inner)
+    for kind in SHARED_KINDS:
+        if any(_class_path(cls) in kind.classes for cls in inner.__mro__):
+            if state == "local":
+                raise ConfigError(
+                    f"redlock_beat_scheduler_state = 'local' does not fit {path!r}: it is a "
+                    f"{kind.name} scheduler, whose state every beat shares; unset the setting"
+                )
+            return kind
+    if path in LOCAL.classes or state == "local":
+        return LOCAL
+    raise ConfigError(
+        f"redlock_beat_scheduler: RedlockScheduler does not know how a standby may follow {path!r} "
+        "without writing state the leader relies on. Known to work: "
+        f"{', '.join(KNOWN_TO_WORK)}. If this scheduler keeps its state only in the beat process "
+        "(memory, a local file), set redlock_beat_scheduler_state = 'local'."
+    )
 
 
 # -- settings ---------------------------------------------------------------------------------------
@@ -118,6 +252,8 @@ class BeatSettings:
     standby_interval: float
     scheduler: type
     align_intervals: bool
+    kind: SchedulerKind = LOCAL
+    align_anchor: float = 0.0  # seconds since the epoch; see aligned_is_due
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any], app_name: str | None = None) -> BeatSettings:
@@ -155,8 +291,16 @@ class BeatSettings:
                 f"redlock_beat_lock_ttl ({ttl!r} s): failover takes the TTL plus one standby tick"
             )
         scheduler = _scheduler_class(conf.get("redlock_beat_scheduler") or DEFAULT_SCHEDULER)
-        align = flag("redlock_beat_align_intervals", conf.get("redlock_beat_align_intervals", True))
-        return cls(lock_name, ttl, min_validity, standby, scheduler, align)
+        state = conf.get("redlock_beat_scheduler_state")
+        if state is not None:
+            state = choice("redlock_beat_scheduler_state", state, SCHEDULER_STATES)
+        kind = scheduler_kind(scheduler, state)
+        # Off by default: aligned, an interval no longer means "T after the last run" (a 7-day
+        # interval would fire on the anchor's weekday), which nobody should get unasked.
+        align = flag("redlock_beat_align_intervals", conf.get("redlock_beat_align_intervals", False))
+        anchor = conf.get("redlock_beat_align_anchor")
+        anchor = 0.0 if anchor is None else instant("redlock_beat_align_anchor", anchor)
+        return cls(lock_name, ttl, min_validity, standby, scheduler, align, kind, align_anchor=anchor)
 
 
 def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
@@ -206,7 +350,7 @@ class LeaderLock(Lock):
             )
 
 
-# -- epoch-aligned intervals ---------------------------------------------------------------------
+# -- aligned intervals ---------------------------------------------------------------------------
 def _alignable(spec: object) -> bool:
     # Only celery's own interval schedule: a subclass with its own is_due keeps its own rule.
     return (
@@ -217,13 +361,44 @@ def _alignable(spec: object) -> bool:
     )
 
 
-def aligned_is_due(spec: Any, last_run_at: Any) -> Any:
-    """``schedule.is_due`` with the ticks at multiples of the period since the epoch."""
+def aligned_is_due(spec: Any, last_run_at: Any, anchor: float = 0.0) -> Any:
+    """``schedule.is_due`` with the ticks at ``anchor + k * period`` (``anchor`` in seconds since
+    the epoch): due once a boundary has passed since the last run."""
     period = float(spec.seconds)
-    now = spec.now().timestamp()
-    last = spec.maybe_make_aware(last_run_at).timestamp()
+    now = spec.now().timestamp() - anchor
+    last = spec.maybe_make_aware(last_run_at).timestamp() - anchor
     remaining = (math.floor(now / period) + 1) * period - now
     return schedstate(math.floor(now / period) > math.floor(last / period), remaining)
+
+
+class _AlignedInterval(schedule):  # type: ignore[misc]
+    """An interval schedule whose ticks are at ``anchor + k * period`` (see aligned_is_due):
+    what an entry with its own is_due is given to ask, for one call."""
+
+    def __init__(self, spec: Any, anchor: float) -> None:
+        super().__init__(run_every=spec.run_every, relative=False, nowfun=spec.nowfun, app=spec.app)
+        self._anchor = anchor
+
+    def is_due(self, last_run_at: Any) -> Any:
+        return aligned_is_due(self, last_run_at, self._anchor)
+
+
+def _timestamp(spec: Any, value: Any) -> float:
+    # A naive datetime is read as celery reads it: in UTC (maybe_make_aware's default).
+    aware = spec.maybe_make_aware(value) if hasattr(spec, "maybe_make_aware") else value
+    return float(aware.timestamp())
+
+
+def _estimated_fire(spec: Any, last_run_at: Any, last: float | None, now: float) -> float:
+    """The due time a schedule of a kind not known to :func:`intended_fire` fired for, by its
+    own ``remaining_estimate`` (how far past due it is now); the send time where that gives
+    nothing usable, so that successive sends of the entry still get successive slots."""
+    estimate = getattr(spec, "remaining_estimate", None)
+    if estimate is not None and last_run_at is not None:
+        fire = now + float(estimate(last_run_at).total_seconds())
+        if (last is None or fire > last) and fire <= now:
+            return fire
+    return now
 
 
 # -- the scheduler --------------------------------------------------------------------------------
@@ -276,7 +451,9 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         self._since = 0.0
         self._since_wall = 0.0
         self._hostname = socket.gethostname()
+        self._kind = self.settings.kind
         super().__init__(app, *args, **kwargs)
+        self._kind.adopt(self)
 
     # -- what celery beat reads ----------------------------------------------------------------------
     @property
@@ -311,15 +488,54 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         if self._leading:
             delay: float = super().tick(*args, **kwargs)
             return delay
-        delay = self._follow(*args, **kwargs)
+        # A shared store needs no following: it is what the next leader reads.
+        delay = self.settings.standby_interval if self._kind.shared else self._follow(*args, **kwargs)
         if self._try_lead():
             return 0.0
         return min(delay, self.settings.standby_interval)
 
+    def setup_schedule(self) -> None:
+        # Installing the static entries writes a shared store: left to whoever takes the lead.
+        if self._kind.shared and not self._leading:
+            return
+        super().setup_schedule()
+
+    def reserve(self, entry: Any) -> Any:
+        if not self._kind.shared:
+            return super().reserve(entry)  # a process-local schedule advances, sent or not
+        # A run that is not sent must not be recorded in a shared store, or the next leader
+        # would take it as sent; it stays due instead.
+        if not self._may_dispatch():
+            return entry
+        reserved = super().reserve(entry)
+        self._kind.reserved(self, reserved)
+        # Written now, before the send, as redbeat does by itself (django-celery-beat would write
+        # it up to 3 minutes later, or never if it is stopped first): a successor never sends it
+        # again. A leader stopped between the two loses that one run; it never doubles it.
+        self.sync()
+        return reserved
+
+    def sync(self) -> None:
+        # A standby has nothing of its own to write (it reserved nothing), and a former leader's
+        # unwritten runs were dropped on stepping down; only the leader writes the store.
+        if self._kind.shared and not self._leading:
+            return
+        super().sync()
+
     def is_due(self, entry: Any) -> Any:
-        if self.settings.align_intervals and _alignable(entry.schedule):
-            return aligned_is_due(entry.schedule, entry.last_run_at)
-        return super().is_due(entry)
+        spec = entry.schedule
+        if not (self.settings.align_intervals and _alignable(spec)):
+            return super().is_due(entry)
+        if type(entry).is_due is ScheduleEntry.is_due:
+            return aligned_is_due(spec, entry.last_run_at, self.settings.align_anchor)
+        # An entry with checks of its own (django-celery-beat's: enabled, start_time, one_off,
+        # expires) keeps them: it is asked as usual, with an aligned stand-in for its schedule
+        # for the length of the call, so that only the interval's phase changes.
+        entry.schedule = _AlignedInterval(spec, self.settings.align_anchor)
+        try:
+            return super().is_due(entry)
+        finally:
+            entry.schedule = spec
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         super().populate_heap(*args, **kwargs)
@@ -348,7 +564,41 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
                 self.reserve(entry)
             self._not_sent(entry)
             return None
-        return super().apply_async(entry, producer=producer, advance=advance, **kwargs)
+        slot = self._intended_slot(entry)  # from last_run_at as it was before this run
+        if advance:
+            # Reserved here, not by the base class: it would reserve the entry with the stamp
+            # in its options, and a scheduler that stores its entries would store the stamp.
+            self.reserve(entry)
+        if slot is None:
+            return super().apply_async(entry, producer=producer, advance=False, **kwargs)
+        # The stamp rides in the entry's options for this one send: every wrapped scheduler
+        # sends through the base apply_async, which passes the options to the task's apply_async.
+        options = entry.options
+        entry.options = {**options, "headers": {**(options.get("headers") or {}), SLOT_HEADER: slot}}
+        try:
+            return super().apply_async(entry, producer=producer, advance=False, **kwargs)
+        finally:
+            entry.options = options
+
+    def _intended_slot(self, entry: Any) -> str | None:
+        """The slot (:data:`SLOT_HEADER`) of the tick ``entry`` is sent for now; None if it
+        cannot be known, and the message then goes without it (the worker falls back to the
+        publish time) rather than not at all."""
+        spec = entry.schedule
+        s = self.settings
+        try:
+            now = _timestamp(spec, spec.now())
+            last = None if entry.last_run_at is None else _timestamp(spec, entry.last_run_at)
+            anchor = s.align_anchor if s.align_intervals and _alignable(spec) else None
+            fire = intended_fire(spec, last, now, anchor=anchor)
+            if fire is None:
+                fire = _estimated_fire(spec, entry.last_run_at, last, now)
+        except Exception:
+            logger.warning(
+                "%s: the slot it is due for cannot be computed; sent unstamped", entry.name, exc_info=True
+            )
+            return None
+        return render(fire)
 
     def close(self) -> None:
         try:
@@ -407,6 +657,8 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
             self._since = time.monotonic()
             self._since_wall = time.time()
         process_heartbeat().keep(lock, on_lost=self._on_lost)
+        if self._kind.shared and not self._take_over():
+            return False
         lock.announce(s.lock_ttl)
         logger.info(
             "beat leader elected: %s pid %d holds %s (validity %.2f s); dispatching",
@@ -422,6 +674,23 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
             pid=os.getpid(),
             validity=lock.validity,
         )
+        return True
+
+    def _take_over(self) -> bool:
+        """Set the wrapped scheduler up from its shared store, as it stands now; on failure (the
+        store unreachable), give the lock back and stay a standby."""
+        try:
+            self._kind.forget(self)
+            super().setup_schedule()
+        except Exception:
+            logger.exception(
+                "beat: could not read the %s schedule on taking the lead; giving the leader lock back",
+                self._kind.name,
+            )
+            lock = self._leave()
+            if lock is not None:
+                lock.release()
+            return False
         return True
 
     def _on_lost(self, lock: Lock, reason: str) -> None:

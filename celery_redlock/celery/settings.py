@@ -64,7 +64,9 @@ BEAT_SETTINGS = (
     "redlock_beat_min_validity",
     "redlock_beat_standby_interval",
     "redlock_beat_scheduler",
+    "redlock_beat_scheduler_state",
     "redlock_beat_align_intervals",
+    "redlock_beat_align_anchor",
 )
 KNOWN_SETTINGS = frozenset(DEFAULTS).union(BEAT_SETTINGS)
 

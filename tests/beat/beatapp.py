@@ -86,7 +86,14 @@ if os.environ.get("BEAT_TEST_RECORD"):
     def _note_sent(sender: str | None = None, body: Any = None, headers: Any = None, **_: Any) -> None:
         args = body[0] if isinstance(body, tuple) and body else []
         if args:
-            _push(f"{args[0]}:sent", id=(headers or {}).get("id"), task=sender, t=time.time())
+            headers = headers or {}
+            _push(
+                f"{args[0]}:sent",
+                id=headers.get("id"),
+                task=sender,
+                t=time.time(),
+                slot=headers.get("redlock_slot"),
+            )
 
 
 @task_postrun.connect(weak=False)

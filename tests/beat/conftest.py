@@ -126,8 +126,12 @@ class Beats:
         conf: dict[str, Any] | None = None,
         scheduler: str | None = None,
         wait: bool = True,
+        schedule: dict[str, Any] | None = None,
     ) -> list[CeleryBeat]:
-        schedule = {"job": {"task": task, "every": every, "args": [self.records.key, *(args or [])]}}
+        """Start ``count`` beats; their ``beat_schedule`` is one ``job`` (``task`` every ``every``
+        seconds, args ``[key, *args]``), or ``schedule`` (``{name: {"task", "every", "args"}}``)."""
+        if schedule is None:
+            schedule = {"job": {"task": task, "every": every, "args": [self.records.key, *(args or [])]}}
         env = dict(
             self.env,
             BEAT_TEST_RECORD="1",

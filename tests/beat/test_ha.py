@@ -23,7 +23,14 @@ STANDBY = 0.5
 PERIOD = 1.0
 # Scheduling noise on a shared 2-core machine; the bounds below are TTL + one standby tick.
 SLACK = 1.0
-CONF = {"redlock_beat_lock_ttl": TTL, "redlock_beat_standby_interval": STANDBY}
+# Aligned intervals: every beat ticks on the same second boundaries, so a successor's first send is
+# the slot after the old leader's last (slot_of counts sends by those boundaries). Unaligned, each
+# beat ticks from its own start and a handover may send a tick early or late by up to a period.
+CONF = {
+    "redlock_beat_lock_ttl": TTL,
+    "redlock_beat_standby_interval": STANDBY,
+    "redlock_beat_align_intervals": True,
+}
 SCHEDULER = "celery_redlock.beat:RedlockScheduler"
 
 

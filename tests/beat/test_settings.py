@@ -1,8 +1,10 @@
-"""Bad ``redlock_beat_*`` settings fail at start-up, naming the setting; and the leader lock is
-kept by the heartbeat thread, not by ticks (in-process schedulers on the 5 real masters)."""
+"""Bad ``redlock_beat_*`` settings fail at start-up, naming the setting; a scheduler whose state
+it cannot tell is refused unless declared process-local; and the leader lock is kept by the
+heartbeat thread, not by ticks (in-process schedulers on the 5 real masters)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,9 +19,11 @@ from celery_redlock.beat import RedlockScheduler, beat_leader_elected, beat_lead
 from celery_redlock.testing import ServerSet
 from celery_redlock.testing.celery import CeleryBeat
 
-from .conftest import APP, ROOT, wait_until
+from .conftest import APP, ROOT, Beats, Records, count_slots, slot_of, wait_until
+from .test_ha import CONF, SCHEDULER
 
 GOOD = {"redlock_beat_lock_ttl": 3.0}
+IN_MEMORY = "tests.beat.schedulers:InMemoryScheduler"
 BAD = [
     ({"redlock_beat_lock_ttl": 0}, "redlock_beat_lock_ttl"),
     ({"redlock_beat_lock_ttl": "10"}, "redlock_beat_lock_ttl"),
@@ -29,6 +33,13 @@ BAD = [
     ({"redlock_beat_scheduler": "no_such_module:Scheduler"}, "redlock_beat_scheduler"),
     ({"redlock_beat_scheduler": "celery.app.base:Celery"}, "redlock_beat_scheduler"),
     ({"redlock_beat_scheduler": "celery_redlock.beat:RedlockScheduler"}, "redlock_beat_scheduler"),
+    # A scheduler it does not know how to follow, unless told its state is process-local.
+    ({"redlock_beat_scheduler": "tests.beat.schedulers:InMemoryScheduler"}, "redlock_beat_scheduler"),
+    ({"redlock_beat_scheduler_state": "shared"}, "redlock_beat_scheduler_state"),
+    (
+        {"redlock_beat_scheduler": "redbeat:RedBeatScheduler", "redlock_beat_scheduler_state": "local"},
+        "redlock_beat_scheduler_state",
+    ),
     ({"redlock_beat_lock_name": 42}, "redlock_beat_lock_name"),
     ({"redlock_beat_align_intervals": "yes"}, "redlock_beat_align_intervals"),
     ({"redlock_masters": None}, "redlock_masters"),
@@ -67,6 +78,39 @@ def test_celery_beat_exits_at_start_naming_the_setting(beat_env: dict[str, str],
         assert "beat: Starting" not in beat.log_text()
     finally:
         beat.stop()
+
+
+@pytest.mark.timeout(60)
+def test_celery_beat_refuses_a_scheduler_it_cannot_follow(beat_env: dict[str, str], tmp_path: Path) -> None:
+    beat = CeleryBeat(
+        APP,
+        scheduler="celery_redlock.beat:RedlockScheduler",
+        pythonpath=[ROOT],
+        env={**beat_env, "BEAT_TEST_CONF": json.dumps({"redlock_beat_scheduler": IN_MEMORY})},
+        log_dir=tmp_path,
+    )
+    beat.start(wait=False)
+    try:
+        code = wait_until(lambda: beat.returncode is not None, 30, "celery beat to exit")
+        assert code and beat.returncode != 0
+        log = beat.log_text()
+        assert f"does not know how a standby may follow {IN_MEMORY!r}" in log
+        assert "django_celery_beat.schedulers:DatabaseScheduler" in log and "redbeat:RedBeatScheduler" in log
+        assert "redlock_beat_scheduler_state = 'local'" in log
+        assert "beat: Starting" not in log
+    finally:
+        beat.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_declared_process_local_runs_in_ha(beats: Beats, records: Records) -> None:
+    conf = {**CONF, "redlock_beat_scheduler": IN_MEMORY, "redlock_beat_scheduler_state": "local"}
+    beats.start(2, conf=conf, scheduler=SCHEDULER)
+    wait_until(lambda: len(records.sent()) >= 5, 20, "5 sends")
+    sent = records.sent()
+    doubled, _ = count_slots(sent, min(slot_of(s["t"]) for s in sent), max(slot_of(s["t"]) for s in sent))
+    assert doubled == []
+    assert len({s["pid"] for s in sent}) == 1
 
 
 @pytest.fixture

@@ -1,0 +1,255 @@
+"""RedlockScheduler over django-celery-beat's ``DatabaseScheduler`` on a real PostgreSQL: real
+``celery beat`` processes, the 5 real lock masters.
+
+The session creates a database of its own on the PostgreSQL at 127.0.0.1:5432 (trust auth, user
+postgres), migrates django-celery-beat into it, and drops it at the end. Where nothing answers
+there, these tests are skipped, unless ``CELERY_REDLOCK_REQUIRE_POSTGRES=1`` (CI) makes that a
+failure. The test process edits the schedule through the Django ORM, as the Django admin would.
+A standby writes nothing to the database: what the leader sends is what the rows say ran.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from celery_redlock import Redlock
+
+from .conftest import Beats, Records, wait_until
+from .django_settings import PG_HOST, PG_PORT, PG_USER, celery_settings, settings_for
+from .ha_checks import aligned_doubles, check_sigkill_failover, check_sigstop
+from .test_ha import CONF, PERIOD, SLACK, leader_pid, new_leader
+
+TASK = "tests.beat.beatapp.record"
+MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
+# What a Django project's settings say (django_settings.py, the README's snippet), test_ha's,
+# and intervals aligned to the epoch (what an HA fleet should run), so sends count by slot.
+DJANGO_CONF = {**CONF, **celery_settings(), "redlock_beat_align_intervals": True}
+
+
+def _admin() -> psycopg.Connection[Any]:
+    return psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", autocommit=True, connect_timeout=5
+    )
+
+
+def _unreachable() -> str | None:
+    """Why PostgreSQL cannot be used here, or None."""
+    try:
+        socket.create_connection((PG_HOST, PG_PORT), timeout=1.0).close()
+        _admin().close()
+    except (OSError, psycopg.Error) as exc:
+        return f"PostgreSQL at {PG_HOST}:{PG_PORT} (user {PG_USER}) not usable: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A database of this session's own, django-celery-beat migrated into it; dropped after."""
+    reason = _unreachable()
+    if reason is not None:
+        if os.environ.get("CELERY_REDLOCK_REQUIRE_POSTGRES") == "1":
+            pytest.fail(f"{reason} (CELERY_REDLOCK_REQUIRE_POSTGRES=1)")
+        pytest.skip(f"{reason} (set CELERY_REDLOCK_REQUIRE_POSTGRES=1 to make this a failure)")
+    import django
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.db import connections
+
+    name = f"celery_redlock_beat_{uuid.uuid4().hex[:12]}"
+    with _admin() as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        if settings.configured:
+            pytest.fail("Django is already configured in this process; these tests configure it")
+        settings.configure(**settings_for(name))
+        django.setup()
+        call_command("migrate", "django_celery_beat", verbosity=0)
+        yield name
+    finally:
+        connections.close_all()
+        with _admin() as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@pytest.fixture
+def django_beats(beats: Beats, pg_database: str) -> Beats:
+    """The beats fixture, its processes set up as a Django project's over this session's database,
+    and the schedule emptied."""
+    from django_celery_beat.models import PeriodicTask
+
+    PeriodicTask.objects.all().delete()
+    beats.env = {
+        **beats.env,
+        "DJANGO_SETTINGS_MODULE": "tests.beat.django_settings",
+        "BEAT_TEST_PG_DB": pg_database,
+    }
+    return beats
+
+
+def sends_to(records: Records, key: str) -> list[dict[str, Any]]:
+    """What the beats published for the entry whose first argument is ``key``."""
+    return [json.loads(item) for item in records.client.lrange(f"{key}:sent", 0, -1)]
+
+
+def agreeing_row(name: str, records: Records) -> Any:
+    """The row of entry ``name`` if it counts as many runs as were sent, its last run the last
+    send (read twice around the sends, so a send in between only means: not now)."""
+    from django_celery_beat.models import PeriodicTask
+
+    row = PeriodicTask.objects.get(name=name)
+    sent = records.sent()
+    again = PeriodicTask.objects.get(name=name)
+    last = max((s["t"] for s in sent), default=None)
+    if row.total_run_count != again.total_run_count or row.total_run_count != len(sent) or last is None:
+        return None
+    return row if abs(row.last_run_at.timestamp() - last) < 0.5 else None
+
+
+def add_entry(name: str, key: str) -> Any:
+    """A PeriodicTask running the recorder every PERIOD seconds, as the admin would add it."""
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every, _ = IntervalSchedule.objects.get_or_create(every=int(PERIOD), period=IntervalSchedule.SECONDS)
+    return PeriodicTask.objects.create(name=name, task=TASK, interval=every, args=json.dumps([key]))
+
+
+@pytest.mark.timeout(90)
+def test_three_beats_over_django_send_each_slot_once(
+    django_beats: Beats, records: Records, redlock: Redlock
+) -> None:
+    # beat_scheduler comes from the settings; one names the wrapped one by its alias, "django".
+    django_beats.start(2, conf=DJANGO_CONF)
+    django_beats.start(1, conf={**DJANGO_CONF, "redlock_beat_scheduler": "django"})
+    first = int(time.time() // PERIOD) + 2
+    last = first + 29
+    wait_until(
+        lambda: any(s["t"] // PERIOD > last for s in records.sent()), 50, f"slot {last + 1} to be sent"
+    )
+    # Only the sender writes the row: a standby's bookkeeping would count runs nobody sent (and
+    # push last_run_at on). Read while the beats run (a beat stopped between recording a run and
+    # sending it would make the two differ by one).
+    row = wait_until(lambda: agreeing_row("job", records), 5, "the row to agree with the sends")
+    for beat in django_beats.procs:
+        beat.stop()
+
+    sent = records.sent()
+    window = [s for s in sent if first <= s["t"] // PERIOD <= last]
+    slots = {int(s["t"] // PERIOD) for s in window}
+    missed = sorted(set(range(first, last + 1)) - slots)
+    doubled = aligned_doubles(window)
+    senders = {s["pid"] for s in sent}
+    print(
+        f"\n[beat] django-celery-beat, 3 beats, 30 slots: {len(window)} sent, doubled {len(doubled)}, "
+        f"missed {len(missed)}; the row agreed with the sends ({row.total_run_count} runs)"
+    )
+    assert doubled == [] and missed == []
+    assert len(senders) == 1, f"more than one beat dispatched: {senders}"
+
+
+@pytest.mark.timeout(60)
+def test_sigkill_leader_over_django(django_beats: Beats, records: Records, redlock: Redlock) -> None:
+    django_beats.start(2, conf=DJANGO_CONF)
+    check_sigkill_failover(django_beats, records, redlock, "django-celery-beat", aligned_doubles)
+
+
+@pytest.mark.timeout(60)
+def test_sigstopped_leader_over_django(django_beats: Beats, records: Records, redlock: Redlock) -> None:
+    django_beats.start(2, conf=DJANGO_CONF)
+    check_sigstop(django_beats, records, redlock, "django-celery-beat", aligned_doubles)
+
+
+@pytest.mark.timeout(90)
+def test_entries_added_changed_disabled_through_the_orm(
+    django_beats: Beats, records: Records, redlock: Redlock
+) -> None:
+    """Each edit is honoured within one beat_max_loop_interval (then the entry's next slot),
+    before and after a failover."""
+    first_key, changed_key, other_key = (f"{records.key}-{suffix}" for suffix in ("a", "b", "c"))
+    seen = MAX_LOOP + SLACK  # an edit shows at the leader's next read of the schedule
+    bound = seen + PERIOD  # and an entry then runs at its next slot
+    django_beats.start(2, conf=DJANGO_CONF, schedule={})
+    first_leader = leader_pid(redlock, django_beats)
+
+    added_at = time.time()
+    task = add_entry("x", first_key)
+    wait_until(lambda: sends_to(records, first_key), 10, "the added entry to be sent")
+    added_latency = sends_to(records, first_key)[0]["t"] - added_at
+
+    changed_at = time.time()
+    task.args = json.dumps([changed_key])
+    task.save()
+    wait_until(lambda: sends_to(records, changed_key), 10, "the changed entry to be sent")
+    changed_latency = sends_to(records, changed_key)[0]["t"] - changed_at
+
+    # Whoever leads next reads the schedule as it stands.
+    django_beats.by_pid(first_leader).kill()
+    second_leader, _ = new_leader(redlock, first_leader, timeout=15)
+    wait_until(
+        lambda: [s for s in sends_to(records, changed_key) if s["pid"] == second_leader],
+        10,
+        "the new leader to send the changed entry",
+    )
+    added2_at = time.time()
+    add_entry("y", other_key)
+    wait_until(lambda: sends_to(records, other_key), 10, "the second added entry to be sent")
+    added2_latency = sends_to(records, other_key)[0]["t"] - added2_at
+
+    disabled_at = time.time()
+    task.enabled = False
+    task.save()
+    settled = disabled_at + seen
+    wait_until(
+        lambda: len([s for s in sends_to(records, other_key) if s["t"] > settled]) >= 3,
+        15,
+        "three more sends of the other entry",
+    )
+
+    late_first = [s for s in sends_to(records, first_key) if s["t"] > changed_at + seen]
+    late_changed = [s for s in sends_to(records, changed_key) if s["t"] > settled]
+    doubled = {k: aligned_doubles(sends_to(records, k)) for k in (first_key, changed_key, other_key)}
+    print(
+        f"\n[beat] django-celery-beat ORM edits: added sent after {added_latency:.2f} s, changed after "
+        f"{changed_latency:.2f} s, added after failover {added2_latency:.2f} s (bound {bound:.1f} s); "
+        f"sent after being changed {len(late_first)}, after being disabled {len(late_changed)}"
+    )
+    assert added_latency <= bound and changed_latency <= bound and added2_latency <= bound
+    assert late_first == [] and late_changed == []
+    assert all(v == [] for v in doubled.values()), doubled
+    assert {s["pid"] for s in sends_to(records, other_key)} == {second_leader}
+
+
+@pytest.mark.timeout(60)
+def test_aligned_intervals_keep_the_entrys_own_checks(
+    django_beats: Beats, records: Records, redlock: Redlock
+) -> None:
+    """With redlock_beat_align_intervals, a django-celery-beat entry still answers for its own
+    rules: a one-off entry runs once, and an entry whose start_time is ahead waits for it."""
+    from django_celery_beat.models import PeriodicTask
+
+    once_key, later_key = f"{records.key}-once", f"{records.key}-later"
+    django_beats.start(2, conf=DJANGO_CONF, schedule={})
+    once = add_entry("once", once_key)
+    once.one_off = True
+    once.save()
+    later = add_entry("later", later_key)
+    starts_at = time.time() + 4 * PERIOD
+    later.start_time = datetime.datetime.fromtimestamp(starts_at, tz=datetime.timezone.utc)
+    later.save()
+    wait_until(lambda: sends_to(records, once_key), 10, "the one-off entry to be sent")
+    wait_until(lambda: sends_to(records, later_key), 15, "the entry with a start time to be sent")
+    # Four more periods: a one-off entry aligned without its own checks would run every period.
+    time.sleep(4 * PERIOD)  # an observation window, not a synchronisation
+    assert len(sends_to(records, once_key)) == 1, sends_to(records, once_key)
+    assert min(s["t"] for s in sends_to(records, later_key)) >= starts_at - 0.05
+    assert not PeriodicTask.objects.get(name="once").enabled  # django-celery-beat's own bookkeeping
