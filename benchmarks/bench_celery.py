@@ -41,10 +41,9 @@ APP_SOURCE = textwrap.dedent('''
     import os
 
     from celery import Celery, Task
-    from floor import RawMasters, pack
+    from floor import RELEASE_SOURCE, RawMasters, pack
 
     from celery_redlock import RedlockTask
-    from celery_redlock.lock import scripts
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
     app.conf.update(redlock_masters=os.environ["BENCH_MASTERS"], worker_prefetch_multiplier=16)
@@ -81,7 +80,7 @@ APP_SOURCE = textwrap.dedent('''
         def after_return(self, status, retval, task_id, args, kwargs, einfo):
             key, token = self.request.floor_lock
             masters = floor_state["masters"]
-            floor_state["carry"] += pack("EVAL", scripts.RELEASE.source, 1, key, token)
+            floor_state["carry"] += pack("EVAL", RELEASE_SOURCE, 1, key, token)
             masters.owed = [owed + 1 for owed in masters.owed]
 
     @app.task(base=FloorTask, name="bench.floor")

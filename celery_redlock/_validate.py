@@ -107,3 +107,12 @@ def instant(name: str, value: object) -> float:
             f"{name} must carry its UTC offset (a local time names no one instant), got {value!r}"
         )
     return parsed.timestamp()
+
+
+def wait_timeout(name: str, value: object) -> float:
+    """How long a blocking acquisition may wait, in seconds: a number >= 0, where ``math.inf``
+    and ``-1`` (as ``threading.Lock.acquire`` reads it) mean no limit; else a :class:`ConfigError`.
+    NaN and other negative numbers are refused, not read as "forever" or "at once" by accident."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and (value == -1 or value == math.inf):
+        return math.inf
+    return number(name, value, at_least=0, unit="seconds", why="or -1 / math.inf for no limit")

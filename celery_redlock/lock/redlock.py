@@ -31,12 +31,12 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
 from .._fork import on_fork_in_child, pid
-from .._validate import count, number
+from .._validate import choice, count, number, wait_timeout
 from ..errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
 from . import scripts, wire
 from .clock import now
@@ -52,6 +52,7 @@ from .masters import (
     refuse_shared_servers,
     script_template,
 )
+from .subscriber import Subscriber, Waiter
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -95,6 +96,13 @@ class Redlock:
     clients; only their connection options are used, on connections of our own with
     ``request_timeout`` for connect and read and no client-side retries.
 
+    ``wait``: how ``Lock.acquire(timeout=...)`` waits for a held lock. ``"release"`` (the
+    default): it sleeps until the holder's release is published by the masters (one listening
+    connection per master per Redlock, made at the first wait; see
+    :mod:`celery_redlock.lock.subscriber`), trying again at least every ``wait_poll`` seconds
+    (by default ``max(0.5, request_timeout)``, jittered down to half of it) in case a message was lost. ``"poll"``: it tries again
+    after a random delay in ``[0, retry_delay)``, for servers that refuse SUBSCRIBE.
+
     ``release_linger`` (seconds, 0 by default) lets a release wait that long at most to travel
     with this process's next round to the masters instead of in one of its own (see
     :mod:`celery_redlock.lock.linger`); ``Lock.release(linger=False)`` still sends at once.
@@ -115,6 +123,8 @@ class Redlock:
         request_timeout: float = 0.1,
         key_prefix: str = "redlock:",
         release_linger: float = 0.0,
+        wait: str = "release",
+        wait_poll: float | None = None,
     ) -> None:
         if isinstance(masters, (str, bytes)):
             masters = [masters]
@@ -138,6 +148,15 @@ class Redlock:
             at_most=MAX_RELEASE_LINGER,
             unit="seconds",
             why="it delays every release by up to that much",
+        )
+
+        self.wait = choice("wait", wait, ("release", "poll"))
+        self.wait_poll = number(
+            "wait_poll",
+            max(0.5, self.request_timeout) if wait_poll is None else wait_poll,
+            at_least=self.request_timeout,
+            unit="seconds",
+            why="at least request_timeout: a fallback try must have time to finish",
         )
 
         self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
@@ -167,7 +186,11 @@ class Redlock:
             if self.release_linger
             else None
         )
-        self._finalizer = weakref.finalize(self, _close_quietly, self._lingering, self.masters, self._sets)
+        # The waiters' listening links; nothing is connected, and no thread runs, until a wait.
+        self._subscriber = Subscriber(self.masters, self.request_timeout)
+        self._finalizer = weakref.finalize(
+            self, _close_quietly, self._lingering, self.masters, self._sets, self._subscriber
+        )
         self._finalizer.atexit = False  # at exit, linger's own hook sends what still lingers
 
     def __repr__(self) -> str:
@@ -206,7 +229,7 @@ class Redlock:
 
         Safe to call again; the Redlock stays usable (a later operation reconnects).
         """
-        _close(self._lingering, self.masters, self._sets)
+        _close(self._lingering, self.masters, self._sets, self._subscriber)
 
     def __enter__(self) -> Redlock:
         return self
@@ -434,9 +457,12 @@ def _send(
         rnd.send([None] * len(masters), timeout)
 
 
-def _close(lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet]) -> None:
+def _close(
+    lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet], subscriber: Subscriber
+) -> None:
     if lingering is not None:
         lingering.close()
+    subscriber.close()
     for master in masters:
         master.close()
     while sets:
@@ -449,10 +475,12 @@ def _close(lingering: Lingering | None, masters: Sequence[Master], sets: list[Li
                 link.close()
 
 
-def _close_quietly(lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet]) -> None:
+def _close_quietly(
+    lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet], subscriber: Subscriber
+) -> None:
     """:func:`_close` for a Redlock being collected: nobody is there to hear of a failure."""
     try:
-        _close(lingering, masters, sets)
+        _close(lingering, masters, sets, subscriber)
     except Exception:
         logger.warning("closing a dropped Redlock failed", exc_info=True)
 
@@ -499,7 +527,7 @@ class Lock:
         self.name = name
         self.ttl = redlock.ttl if ttl is None else redlock.check_ttl("ttl", ttl)
         # Checked now, not at the first ``with``, so a bad value fails where it was written.
-        self._timeout = None if timeout is None else number("timeout", timeout, at_least=0, unit="seconds")
+        self._timeout = None if timeout is None else wait_timeout("timeout", timeout)
         self._blocking = blocking
         if not isinstance(holder, str) or "\n" in holder or "\r" in holder:
             raise ConfigError(f"holder must be a str without line breaks, got {holder!r}")
@@ -573,66 +601,121 @@ class Lock:
         """Whether a quorum of masters holds this resource, by any token."""
         return self.redlock.holders(self.key) >= self.redlock.quorum
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+    def acquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> bool:
         """Try to take the lock; True once held. Like ``threading.Lock.acquire``.
 
-        ``blocking=False`` tries one round. Otherwise retries after a random delay in
-        ``[0, retry_delay)``: until ``timeout`` seconds have passed, or, with no timeout, for
-        ``retry_count`` more attempts.
+        ``blocking=False`` tries one round. With ``timeout=None``, a held lock is tried again
+        after a random delay in ``[0, retry_delay)``, for ``retry_count`` more attempts. With a
+        ``timeout`` (seconds; ``-1`` or ``math.inf``: no limit; 0: one attempt), it waits until
+        then: woken by the holder's release when the Redlock's ``wait`` is ``"release"``
+        (trying again at least every ``wait_poll``), else polling as above. The call returns
+        by the timeout plus one round's ``request_timeout``.
+
+        ``cancelled``, if given, is asked at every wake-up of a wait (at least every 0.5 s);
+        when it returns True the call gives up and returns False.
         """
         if timeout is not None:
             if not blocking:
                 raise ConfigError("timeout cannot be given with blocking=False")
-            number("timeout", timeout, at_least=0, unit="seconds")
+            timeout = wait_timeout("timeout", timeout)
         if self.owned():
             raise RedlockError(f"lock {self.name!r} is already held by this Lock")
         redlock = self.redlock
         deadline = None if timeout is None else now() + timeout
         attempts = 0
         mutex = self._mutex()
-        while True:
-            attempts += 1
-            # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
-            token = os.urandom(20).hex() + self._holder_suffix
-            with mutex:
-                started = now()
-                validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
-                self.last_votes = votes
-                if validity > 0:
-                    # Anchored before the round, never when its result is looked at: a holder
-                    # stalled in between (a long GC, a SIGSTOP) must not come back believing it
-                    # holds what the masters already let expire. So True here implies owned().
-                    # One more clock read (81 ns, no system call) per acquisition.
-                    valid_until = started + self.ttl - redlock.drift(self.ttl)
-                    validity = valid_until - now()
+        # Set once this call waits in a room of the Redlock's subscriber (see _wait).
+        waiter: Waiter | None = None
+        try:
+            while True:
+                attempts += 1
+                if waiter is not None:
+                    redlock._subscriber.mark(self.key, waiter)
+                # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
+                token = os.urandom(20).hex() + self._holder_suffix
+                with mutex:
+                    started = now()
+                    validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
+                    self.last_votes = votes
                     if validity > 0:
-                        self._token = token
-                        self._owner = pid()
-                        self._valid_until = valid_until
-                        self._lost_reason = ""
-                        self._failure = self._last_error = None
-                        logger.debug(
-                            "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
-                        )
-                        return True
-                    # Granted, but run out before it was looked at: a failed attempt, and so
-                    # released like one.
-                    redlock.release_key(self.key, token)
-            # Built only when asked for: a contended loop fails far more often than it looks.
-            self._failure = (votes, attempts, elapsed, validity)
-            self._last_error = None
-            if not blocking:
-                return False
-            delay = random.uniform(0, redlock.retry_delay)
-            if deadline is None:
-                if attempts > redlock.retry_count:
+                        # Anchored before the round, never when its result is looked at: a
+                        # holder stalled in between (a long GC, a SIGSTOP) must not come back
+                        # believing it holds what the masters already let expire. So True here
+                        # implies owned(). One more clock read (81 ns, no system call).
+                        valid_until = started + self.ttl - redlock.drift(self.ttl)
+                        validity = valid_until - now()
+                        if validity > 0:
+                            self._token = token
+                            self._owner = pid()
+                            self._valid_until = valid_until
+                            self._lost_reason = ""
+                            self._failure = self._last_error = None
+                            logger.debug(
+                                "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
+                            )
+                            return True
+                        # Granted, but run out before it was looked at: a failed attempt, and so
+                        # released like one.
+                        redlock.release_key(self.key, token)
+                # Built only when asked for: a contended loop fails far more often than it looks.
+                self._failure = (votes, attempts, elapsed, validity)
+                self._last_error = None
+                if not blocking:
                     return False
-            else:
-                remaining = deadline - now()
-                if remaining <= 0:
+                if deadline is None:
+                    if attempts > redlock.retry_count:
+                        return False
+                    time.sleep(random.uniform(0, redlock.retry_delay))
+                    continue
+                if deadline - now() <= 0 or (cancelled is not None and cancelled()):
                     return False
-                delay = min(delay, remaining)
-            time.sleep(delay)
+                if redlock.wait == "poll":
+                    time.sleep(min(random.uniform(0, redlock.retry_delay), max(0.0, deadline - now())))
+                elif waiter is None:
+                    # The first refusal: join the key's room, then try again at once (the holder
+                    # may have released while we subscribed; its notice would predate our mark).
+                    waiter = redlock._subscriber.join(
+                        self.key, min(deadline, now() + redlock.request_timeout)
+                    )
+                elif not self._wait(waiter, votes, deadline, cancelled):
+                    return False
+        finally:
+            if waiter is not None:
+                redlock._subscriber.leave(self.key, waiter)
+
+    def _wait(
+        self, waiter: Waiter, votes: list[Vote], deadline: float, cancelled: Callable[[], bool] | None
+    ) -> bool:
+        """Sleep after a refused attempt until a release may have freed a quorum; False when
+        ``cancelled`` said so.
+
+        The attempt was granted by ``yes`` masters (and retracted); ``quorum - yes`` of those
+        that refused it must free the key before a new attempt can win, so that many notices
+        are waited for. Waking on any one notice would make every split vote's retraction (each
+        retraction that deleted publishes) wake every waiter. Never longer than a jittered
+        ``wait_poll``: a notice may be lost; and no longer than a poll's delay when too few of
+        the refusing masters listened to wake it.
+        """
+        redlock = self.redlock
+        yes = sum(1 for vote in votes if vote.kind == "yes")
+        refusers = frozenset(i for i, vote in enumerate(votes) if vote.kind == "held")
+        needed = max(1, redlock.quorum - yes)
+        t = now()
+        until = min(deadline, t + random.uniform(0.5, 1.0) * redlock.wait_poll)
+        deaf_until = t + random.uniform(0, redlock.retry_delay)
+        woken = redlock._subscriber.sleep(self.key, waiter, refusers, needed, until, deaf_until, cancelled)
+        if woken == "cancelled":
+            return False
+        if woken == "notice" and yes:
+            # After a split vote, the losers spread their next tries as polling does.
+            time.sleep(min(random.uniform(0, redlock.retry_delay), max(0.0, deadline - now())))
+        return True
 
     def extend(self, ttl: float | None = None) -> bool:
         """Set the lock's TTL to ``ttl`` (default: its own) on a quorum; False if that failed.

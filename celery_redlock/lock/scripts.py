@@ -22,15 +22,20 @@ class Script:
 # attempt). A fenced acquire would replace that one command, built in Redlock.try_acquire, with a
 # script returning {granted, counter}: still one command per master, still one round trip.
 
-# RELEASE (compare-and-delete)
-#   KEYS[1]  the lock key
+# RELEASE (compare-and-delete, then tell the waiters)
+#   KEYS[1]  the lock key; also the channel the deletion is published on
 #   ARGV[1]  the token that must hold it
 #   returns  1 if the key held ARGV[1] and was deleted, 0 if it was absent or held another token
+# The PUBLISH runs in the same atomic step as the DEL, so a waiter subscribed to the key before its
+# attempt hears of every deletion after it (see subscriber.py). Only a deletion publishes; with
+# nobody subscribed a PUBLISH is one dictionary lookup on the master.
 RELEASE = Script(
     "release",
     """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-    return redis.call('DEL', KEYS[1])
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', KEYS[1], '*')
+    return 1
 end
 return 0
 """,

@@ -36,6 +36,8 @@ BAD_NUMBERS: list[tuple[object, str]] = [
     (True, "bool"),
     ("1", "str"),
 ]
+# A wait timeout reads math.inf (and -1) as "no limit" (tests/core/test_waiting.py); the rest is bad.
+BAD_TIMEOUTS = [(value, says) for value, says in BAD_NUMBERS if value != INF]
 # Counts are ints: a float of any kind is refused for its type.
 BAD_COUNTS: list[tuple[object, str]] = [
     (NAN, "float"),
@@ -72,13 +74,15 @@ def test_redlock_options(option: str, value: object, says: str) -> None:
     refused(lambda: Redlock(NOWHERE, **{option: value}), option, says)
 
 
-@pytest.mark.parametrize(("option", "value", "says"), _cases(["ttl", "timeout"], BAD_NUMBERS))
+@pytest.mark.parametrize(
+    ("option", "value", "says"), [*_cases(["ttl"], BAD_NUMBERS), *_cases(["timeout"], BAD_TIMEOUTS)]
+)
 def test_lock_options(option: str, value: object, says: str) -> None:
     redlock = Redlock(NOWHERE)
     refused(lambda: redlock.lock("x", **{option: value}), option, says)
 
 
-@pytest.mark.parametrize(("option", "value", "says"), _cases(["timeout"], BAD_NUMBERS))
+@pytest.mark.parametrize(("option", "value", "says"), _cases(["timeout"], BAD_TIMEOUTS))
 def test_acquire_timeout(option: str, value: object, says: str) -> None:
     lock = Redlock(NOWHERE, retry_delay=0).lock("x")
     refused(lambda: lock.acquire(timeout=value), option, says)  # type: ignore[arg-type]
@@ -91,9 +95,10 @@ def test_extend_ttl(option: str, value: object, says: str) -> None:
     refused(lambda: lock.extend(ttl=value), option, says)  # type: ignore[arg-type]
 
 
-def test_negative_timeout_is_refused() -> None:
+@pytest.mark.parametrize("value", [-2, -0.5, -1.0000001])
+def test_negative_timeout_other_than_minus_one_is_refused(value: float) -> None:
     lock = Redlock(NOWHERE).lock("x")
-    refused(lambda: lock.acquire(timeout=-1), "timeout", ">= 0")
+    refused(lambda: lock.acquire(timeout=value), "timeout", ">= 0")
 
 
 NUMERIC_SETTINGS = [
