@@ -100,8 +100,9 @@ class Redlock:
     default): it sleeps until the holder's release is published by the masters (one listening
     connection per master per Redlock, made at the first wait; see
     :mod:`celery_redlock.lock.subscriber`), trying again at least every ``wait_poll`` seconds
-    (by default ``max(0.5, request_timeout)``, jittered down to half of it) in case a message was lost. ``"poll"``: it tries again
-    after a random delay in ``[0, retry_delay)``, for servers that refuse SUBSCRIBE.
+    (by default ``max(0.5, request_timeout)``, jittered down to half of it) in case a message
+    was lost. ``"poll"``: it tries again after a random delay in ``[0, retry_delay)``, for
+    servers that refuse SUBSCRIBE.
 
     ``release_linger`` (seconds, 0 by default) lets a release wait that long at most to travel
     with this process's next round to the masters instead of in one of its own (see
