@@ -452,6 +452,9 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         self._since_wall = 0.0
         self._hostname = socket.gethostname()
         self._kind = self.settings.kind
+        # The entry last reserved and the slot it was found due for (see reserve): the stamp is
+        # fixed when the tick is found due, not when the message goes out after the store's write.
+        self._stamped: tuple[Any, str | None] | None = None
         super().__init__(app, *args, **kwargs)
         self._kind.adopt(self)
 
@@ -501,6 +504,10 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         super().setup_schedule()
 
     def reserve(self, entry: Any) -> Any:
+        # Celery's tick reserves first and sends after; a shared store's write lies in between
+        # and may end in the next slot. The slot is taken now, from the clock the tick was found
+        # due by, and the send of this entry uses it (apply_async).
+        self._stamped = (entry, self._intended_slot(entry))
         if not self._kind.shared:
             return super().reserve(entry)  # a process-local schedule advances, sent or not
         # A run that is not sent must not be recorded in a shared store, or the next leader
@@ -564,11 +571,20 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
                 self.reserve(entry)
             self._not_sent(entry)
             return None
-        slot = self._intended_slot(entry)  # from last_run_at as it was before this run
+        stamped, self._stamped = self._stamped, None
         if advance:
             # Reserved here, not by the base class: it would reserve the entry with the stamp
             # in its options, and a scheduler that stores its entries would store the stamp.
-            self.reserve(entry)
+            self.reserve(entry)  # fixes the slot, from last_run_at as it was before this run
+            stamped, self._stamped = self._stamped, None
+            # The write to a shared store may have outlasted the lock: checked again, so a
+            # leader that lost it meanwhile sends nothing (the run is recorded, not doubled).
+            if not self._may_dispatch():
+                self._not_sent(entry)
+                return None
+        # Without a reservation of ours (a caller's own apply_async), the slot is taken now.
+        ours = stamped is not None and stamped[0] is entry
+        slot = stamped[1] if stamped is not None and ours else self._intended_slot(entry)
         if slot is None:
             return super().apply_async(entry, producer=producer, advance=False, **kwargs)
         # The stamp rides in the entry's options for this one send: every wrapped scheduler

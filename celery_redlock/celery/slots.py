@@ -70,6 +70,11 @@ _SOLAR_LEAD = 1800.0
 # ephem gives up on an event the sun does not reach today (polar day or night); the search
 # steps a day at a time, for at most a year, as celery's own solar schedule does.
 _SOLAR_DAYS = 366
+# Celery's beat sends a solar entry at or just after *its* event, which may be up to about a
+# second earlier than ours (ours is rounded to the second, and the searches differ by tens of
+# ms): a time is attributed to an event of ours up to this much after it. A solar schedule's
+# events are hours apart, so this never reaches the next one.
+_SOLAR_TOLERANCE = 60.0
 
 
 def _utc(timestamp: float) -> dt.datetime:
@@ -185,10 +190,11 @@ def intended_fire(
 
 # -- fire times of crontab and solar schedules ----------------------------------------------------
 def previous_fire(spec: Any, at: float) -> float | None:
-    """The last fire time of a crontab or solar ``spec`` at or before ``at``; None if none is
-    found (a solar event the sun has not reached for a year)."""
+    """The last fire time of a crontab or solar ``spec`` at or before ``at`` (for solar, up to
+    ``_SOLAR_TOLERANCE`` after it); None if none is found (a solar event the sun has not reached
+    for a year)."""
     if _is_solar(spec):
-        return _solar_event(spec, at, after=False)
+        return _solar_event(spec, at + _SOLAR_TOLERANCE, after=False)
     return _cron_fire(spec, _utc(at), after=False).timestamp()
 
 

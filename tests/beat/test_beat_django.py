@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,7 +30,7 @@ from celery_redlock import Redlock
 from .conftest import Beats, Records, wait_until
 from .django_settings import PG_HOST, PG_PORT, PG_USER, celery_settings, settings_for
 from .ha_checks import aligned_doubles, check_sigkill_failover, check_sigstop
-from .test_ha import CONF, PERIOD, SLACK, leader_pid, new_leader
+from .test_ha import CONF, PERIOD, SLACK, STANDBY, TTL, leader_pid, new_leader, wait_sends
 
 TASK = "tests.beat.beatapp.record"
 MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
@@ -253,3 +255,90 @@ def test_aligned_intervals_keep_the_entrys_own_checks(
     assert len(sends_to(records, once_key)) == 1, sends_to(records, once_key)
     assert min(s["t"] for s in sends_to(records, later_key)) >= starts_at - 0.05
     assert not PeriodicTask.objects.get(name="once").enabled  # django-celery-beat's own bookkeeping
+
+
+# -- found by the adversarial review of #15 ------------------------------------------------------
+def _stamps(sent: list[dict[str, Any]]) -> list[str]:
+    return [s["slot"] for s in sorted(sent, key=lambda s: s["t"])]
+
+
+def _periodic_task(name: str, key: str) -> Any:
+    from django_celery_beat.models import IntervalSchedule, PeriodicTask
+
+    every, _ = IntervalSchedule.objects.get_or_create(every=int(PERIOD), period=IntervalSchedule.SECONDS)
+    return PeriodicTask.objects.create(
+        name=name, task="tests.beat.beatapp.record", interval=every, args=f'["{key}"]'
+    )
+
+
+@pytest.mark.timeout(120)
+def test_django_takeover_tick_whose_write_crosses_a_boundary_keeps_its_own_slot_stamp(
+    django_beats: Beats,
+    records: Records,
+    redlock: Redlock,
+    pg_database: str,
+) -> None:
+    """A tick found due in slot k is stamped k, however long the write before its send takes.
+
+    RedlockScheduler._intended_slot computes an aligned stamp as the boundary at or before the
+    clock *when the message goes out*; over django-celery-beat the run is first written to
+    PostgreSQL (reserve -> sync), and the is_due decision came before that. A new leader's first
+    tick lands at any phase of a slot; when its write ends past the next boundary, the tick of
+    slot k goes out stamped k+1, and the entry (last run: in slot k) is due again at once and
+    sent stamped k+1 too: two messages, one stamp, and a lock_slot task drops a real run. (The
+    flake of test_sigstopped_leader_over_django: two sends stamped 17:13:36, 19 ms apart, by
+    the new leader right after it took over at 17:13:35.983.) Here a row lock held by another
+    session (an admin's open transaction) stretches the write; the take-over is repeated until
+    the new leader's tick lands late enough in its slot for the second send to follow at once.
+    """
+    django_beats.start(2, conf=DJANGO_CONF, schedule={})
+    _periodic_task("job", records.key)
+    admin = psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=pg_database, autocommit=True, connect_timeout=5
+    )
+
+    def leader_waits_on_the_row() -> bool:
+        row = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND wait_event_type = 'Lock'",
+            (pg_database,),
+        ).fetchone()
+        return bool(row and row[0])
+
+    leader = leader_pid(redlock, django_beats)
+    try:
+        for _attempt in range(8):
+            wait_sends(records, leader, 1, timeout=10)
+            holder = psycopg.connect(
+                host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=pg_database, connect_timeout=5
+            )
+            try:
+                with holder.transaction():
+                    django_beats.by_pid(leader).kill()
+                    holder.execute(
+                        "SELECT id FROM django_celery_beat_periodictask WHERE name = 'job' FOR UPDATE"
+                    )
+                    leader, _ = new_leader(redlock, leader, timeout=TTL + STANDBY + 10)
+                    wait_until(leader_waits_on_the_row, 5, "the new leader's write to wait on the row")
+                    blocked_at = time.time()
+                    phase = blocked_at - math.floor(blocked_at)
+                    lucky = 0.55 <= phase <= 0.9
+                    if lucky:  # hold it until just past the next boundary
+                        boundary = math.floor(blocked_at) + 1.05
+                        wait_until(lambda b=boundary: time.time() > b, 2, "the next boundary")
+                released_at = time.time()
+            finally:
+                holder.close()
+            if lucky:
+                break
+            django_beats.start(1, conf=DJANGO_CONF, schedule={})  # a standby for the next round
+        else:
+            pytest.skip("no take-over landed late enough in its slot in 8 attempts")
+        wait_until(lambda: len(records.sent_by(leader)) >= 4, 10, "4 sends of the new leader")
+    finally:
+        admin.close()
+    for beat in django_beats.procs:
+        beat.stop()
+    stamps = _stamps(records.sent_by(leader))
+    doubled = sorted(k for k, n in Counter(stamps).items() if n > 1)
+    print(f"\nnew leader blocked at phase {phase:.2f}, released at {released_at:.3f}; stamps {stamps}")
+    assert doubled == [], f"one stamp on two messages: {doubled} (stamps {stamps})"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from celery import Celery
 from celery.schedules import schedule
 from redbeat import RedBeatSchedulerEntry
@@ -31,7 +32,7 @@ from .ha_checks import (
     interval_doubles,
     interval_gaps,
 )
-from .test_ha import CONF, PERIOD, SCHEDULER, SLACK, leader_pid, new_leader
+from .test_ha import CONF, PERIOD, SCHEDULER, SLACK, STANDBY, TTL, leader_pid, new_leader, wait_sends
 
 TASK = "tests.beat.beatapp.record"
 MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
@@ -197,3 +198,50 @@ def test_entries_added_changed_disabled_through_redbeat_api(
     assert late_first == [] and late_changed == []
     assert all(v == [] for v in doubled.values()), doubled
     assert {s["pid"] for s in sends_to(records, other_key)} == {second_leader}
+
+
+# -- found by the adversarial review of #15 ------------------------------------------------------
+@pytest.mark.timeout(90)
+def test_redbeat_leader_that_lost_its_lock_while_writing_the_run_sends_nothing(
+    beats: Beats,
+    records: Records,
+    redlock: Redlock,
+    redbeat_conf: dict[str, Any],
+    redbeat_redis: RedisServer,
+) -> None:
+    """ "Validity is checked again just before every message is sent": over redbeat the check runs
+    before the run is written to redbeat's Redis (RedlockScheduler.apply_async -> reserve), and
+    not again after it. A leader whose write stalls (redbeat's Redis slow or failing over) and
+    which loses its lock meanwhile (paused past its TTL) still sends once the write returns,
+    although a successor leads by then: the tick is sent twice, once by a process that knows it
+    lost the lock (django-celery-beat's path, through Scheduler.tick -> apply_entry, checks again
+    after the write and does not send)."""
+    beats.start(2, conf=redbeat_conf)
+    old = leader_pid(redlock, beats)
+    wait_sends(records, old, 2, timeout=10)
+    proc = beats.by_pid(old)
+    store = redis.Redis(host=redbeat_redis.host, port=redbeat_redis.port, socket_timeout=5)
+    try:
+        store.execute_command("CLIENT", "PAUSE", 60000, "WRITE")  # redbeat's Redis stalls writes
+        paused_store_at = time.time()
+        before = proc.log_text().count("Sending due task")
+        # redbeat logs "Sending due task" before apply_async, where the run is written first.
+        wait_until(
+            lambda: proc.log_text().count("Sending due task") > before, 5, "the leader to start a send"
+        )
+        time.sleep(0.3)  # an observation window: the send does not complete while writes stall
+        assert not [s for s in records.sent_by(old) if s["t"] > paused_store_at + 0.2]
+
+        proc.pause()
+        new, elected_at = new_leader(redlock, old, timeout=TTL + STANDBY + 10)
+        proc.resume()
+        proc.wait_for_log(r"beat leader lock \S+ lost", timeout=TTL + 5)
+    finally:
+        store.execute_command("CLIENT", "UNPAUSE")
+        store.close()
+    unpaused_at = time.time()
+    wait_sends(records, new, 2, timeout=10, after=unpaused_at)
+    time.sleep(0.5)  # an observation window for a late send of the old leader
+    late = [s for s in records.sent_by(old) if s["t"] > elected_at]
+    print(f"\nredbeat: old leader sent {len(late)} after the new one was elected: {late}")
+    assert late == [], "a leader that had lost its lock sent after its successor was elected"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import types
+from collections import Counter
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -32,6 +33,7 @@ from celery_redlock.celery.slots import (
     read_stamp,
     render,
     slot_name,
+    slot_time,
 )
 from celery_redlock.celery.task import RedlockTask
 
@@ -335,3 +337,47 @@ def test_distinct_fire_times_get_distinct_slots_and_a_stamp_is_its_own_slot(
         # and the next one less than a period apart, between the same two epoch boundaries: it
         # always stamps, and only its stamps say which tick is which.)
         assert len(set(unstamped)) == len(unstamped)
+
+
+# -- found by the adversarial review of #15 ------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_solar_sends_just_after_the_event_get_one_slot_each() -> None:
+    """Celery's beat sends a solar entry a few ms after the event. _solar_event rounds the event
+    to the second; when that rounds *up* past the send time, previous_fire gives the previous
+    day's event, and intended_fire (last run before it) keeps it. Every few days two consecutive
+    sunrises are stamped with the same slot, and a lock_slot task drops a real run. The
+    worker's fallback (slot_time from the publish time) has the same fault.
+
+    Celery's own solar schedule decides the event and that it is due (its nowfun is the clock)."""
+    app = Celery("review15", set_as_current=False)
+
+    def at(now: dt.datetime) -> Any:
+        return solar("sunrise", 48.85, 2.35, app=app, nowfun=lambda: now)
+
+    now = dt.datetime(2026, 3, 1, tzinfo=dt.timezone.utc)
+    last: dt.datetime | None = None
+    sends: list[tuple[dt.datetime, dt.datetime, float, dt.datetime]] = []
+    for _ in range(30):
+        event = now + at(now).remaining_estimate(now)
+        send = event + dt.timedelta(milliseconds=20)
+        assert at(send).is_due(last or now).is_due
+        stamp = intended_fire(at(send), None if last is None else last.timestamp(), send.timestamp())
+        assert stamp is not None
+        sends.append((event, send, stamp, slot_time(at(send), send.timestamp())))
+        last = now = send
+
+    wrong_stamp = [(e.isoformat(), render(st)) for e, _, st, _ in sends if abs(st - e.timestamp()) > 1]
+    stamps = Counter(st for _, _, st, _ in sends)
+    doubled_stamps = sorted(render(k) for k, n in stamps.items() if n > 1)
+    wrong_slot = [
+        (e.isoformat(), sl.isoformat()) for e, _, _, sl in sends if abs(sl.timestamp() - e.timestamp()) > 1
+    ]
+    print(
+        f"\nsolar: {len(wrong_stamp)} of 30 stamped, {len(wrong_slot)} of 30 placed (unstamped) "
+        "in another day's event"
+    )
+    assert doubled_stamps == [], f"two sunrises stamped with one slot: {doubled_stamps}"
+    assert wrong_stamp == []
+    # Unstamped: a send a few ms after the event goes to the previous day's slot, so one sent
+    # a second late (its own day) and the next sent on time (the previous day) meet in one.
+    assert wrong_slot == []
