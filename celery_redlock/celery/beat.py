@@ -172,6 +172,9 @@ class SchedulerKind:
     adopt: Callable[[Any], None] = _leave_as_is
     forget: Callable[[Any], None] = _leave_as_is
     reserved: Callable[[Any, Any], None] = _leave_reserved_as_is  # before the run is written
+    # Whether it asks RedlockScheduler.is_due (celery's tick does): only then can intervals be
+    # aligned (redlock_beat_align_intervals).
+    aligns: bool = True
 
 
 LOCAL = SchedulerKind("process-local", ("celery.beat:PersistentScheduler", "celery.beat:Scheduler"), False)
@@ -183,7 +186,10 @@ SHARED_KINDS = (
         forget=_forget_database_schedule,
         reserved=_keep_reserved_database_entry,
     ),
-    SchedulerKind("redbeat", ("redbeat.schedulers:RedBeatScheduler",), True, adopt=_turn_redbeat_lock_off),
+    # redbeat's tick asks each entry's own is_due, never the scheduler's: no alignment.
+    SchedulerKind(
+        "redbeat", ("redbeat.schedulers:RedBeatScheduler",), True, adopt=_turn_redbeat_lock_off, aligns=False
+    ),
 )
 # What the error for an unknown scheduler names; redbeat documents the shorter path.
 KNOWN_TO_WORK = (
@@ -230,8 +236,10 @@ def _scheduler_class(value: object) -> type:
         aliases = dict(load_extension_class_names("celery.beat_schedulers"))
         try:
             value = symbol_by_name(value, aliases=aliases)
-        except (ImportError, AttributeError, ValueError) as exc:
-            raise ConfigError(f"redlock_beat_scheduler: cannot import {value!r}: {exc}") from None
+        except Exception as exc:  # ImportError; also a module that fails as it loads (Django unset)
+            raise ConfigError(
+                f"redlock_beat_scheduler: cannot import {value!r}: {type(exc).__name__}: {exc}"
+            ) from None
     if not isinstance(value, type) or not issubclass(value, Scheduler):
         raise ConfigError(f"redlock_beat_scheduler must name a celery.beat.Scheduler subclass, got {value!r}")
     if issubclass(value, RedlockScheduler):
@@ -257,9 +265,11 @@ class BeatSettings:
 
     @classmethod
     def from_conf(cls, conf: Mapping[str, Any], app_name: str | None = None) -> BeatSettings:
-        lock_name = conf.get("redlock_beat_lock_name") or f"beat:{app_name or 'celery'}"
-        if not isinstance(lock_name, str):
-            raise ConfigError(f"redlock_beat_lock_name must be a str, got {lock_name!r}")
+        lock_name = conf.get("redlock_beat_lock_name")
+        if lock_name is None:
+            lock_name = f"beat:{app_name or 'celery'}"
+        elif not isinstance(lock_name, str) or not lock_name:
+            raise ConfigError(f"redlock_beat_lock_name must be a non-empty str, got {lock_name!r}")
         ttl = number(
             "redlock_beat_lock_ttl",
             conf.get("redlock_beat_lock_ttl", DEFAULT_LOCK_TTL),
@@ -300,6 +310,12 @@ class BeatSettings:
         align = flag("redlock_beat_align_intervals", conf.get("redlock_beat_align_intervals", False))
         anchor = conf.get("redlock_beat_align_anchor")
         anchor = 0.0 if anchor is None else instant("redlock_beat_align_anchor", anchor)
+        if align and not kind.aligns:
+            raise ConfigError(
+                f"redlock_beat_align_intervals = True does not work with {kind.name}: its scheduler "
+                "decides which entries are due by itself, so intervals would not be aligned while "
+                "slot stamps assumed they were; unset the setting"
+            )
         return cls(lock_name, ttl, min_validity, standby, scheduler, align, kind, align_anchor=anchor)
 
 

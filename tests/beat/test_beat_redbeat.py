@@ -54,6 +54,7 @@ def redbeat_conf(redbeat_redis: RedisServer, records: Records) -> dict[str, Any]
         **redbeat_config.settings(),
         "redbeat_redis_url": redbeat_redis.url,
         "redbeat_key_prefix": f"redbeat:{records.key}:",
+        "redlock_beat_align_intervals": False,  # refused with redbeat (test_settings.py)
     }
 
 

@@ -5,6 +5,9 @@ heartbeat thread, not by ticks (in-process schedulers on the 5 real masters)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -41,6 +44,12 @@ BAD = [
         "redlock_beat_scheduler_state",
     ),
     ({"redlock_beat_lock_name": 42}, "redlock_beat_lock_name"),
+    ({"redlock_beat_lock_name": ""}, "redlock_beat_lock_name"),
+    # redbeat decides due entries itself: alignment would not happen while stamps assumed it.
+    (
+        {"redlock_beat_scheduler": "redbeat:RedBeatScheduler", "redlock_beat_align_intervals": True},
+        "redlock_beat_align_intervals",
+    ),
     ({"redlock_beat_align_intervals": "yes"}, "redlock_beat_align_intervals"),
     ({"redlock_masters": None}, "redlock_masters"),
     ({"redlock_masters": ["http://127.0.0.1:1"]}, "redlock_masters"),
@@ -59,6 +68,29 @@ def test_bad_setting_is_named(conf: dict[str, Any], setting: str, tmp_path: Path
     app = make_app(["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"], **conf)
     with pytest.raises(ConfigError, match=setting):
         RedlockScheduler(app, schedule_filename=str(tmp_path / "s"), lazy=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_scheduler_that_fails_to_load_is_named(tmp_path: Path) -> None:
+    """django-celery-beat without Django configured: its import raises Django's
+    ImproperlyConfigured, reported as the setting that named it (a fresh process: this one may
+    have configured Django for the PostgreSQL tests)."""
+    code = (
+        "from celery import Celery\n"
+        "from celery_redlock import ConfigError\n"
+        "from celery_redlock.beat import RedlockScheduler\n"
+        "app = Celery('x', broker='redis://127.0.0.1:1/0', set_as_current=False)\n"
+        "app.conf.update(redlock_masters=['redis://127.0.0.1:1/0'], beat_schedule={},\n"
+        "    redlock_beat_scheduler='django_celery_beat.schedulers:DatabaseScheduler')\n"
+        "try:\n"
+        f"    RedlockScheduler(app, schedule_filename={str(tmp_path / 's')!r}, lazy=True)\n"
+        "except ConfigError as exc:\n"
+        "    print('CONFIG', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, env=env)
+    assert done.stdout.startswith("CONFIG redlock_beat_scheduler: cannot import"), done.stdout + done.stderr
+    assert "ImproperlyConfigured" in done.stdout
 
 
 @pytest.mark.timeout(60)
