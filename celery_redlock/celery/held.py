@@ -29,6 +29,8 @@ class Held:
     acquired_at: float
     expire: bool
     finished: bool = False
+    # Released at once, never lingering: a "wait" mode run's release is what wakes the next.
+    linger: bool = True
 
     @property
     def held_for(self) -> float:

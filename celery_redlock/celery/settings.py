@@ -39,7 +39,7 @@ from ..lock.redlock import MAX_RELEASE_LINGER, Redlock
 
 logger = logging.getLogger("celery_redlock.settings")
 
-CONTENDED_POLICIES = ("retry", "skip", "fail")
+CONTENDED_POLICIES = ("retry", "skip", "fail", "wait")
 RELEASE_POLICIES = ("on_return", "on_expiry")
 
 # name -> default; the one place defaults live (docs/settings.md describes each).
@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "redlock_retry_backoff_max": 60.0,
     "redlock_max_retries": None,
     "redlock_release_linger": 0.02,
+    "redlock_wait_timeout": 10.0,
 }
 # Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
 # package reads is known in one place, for the unknown-name warning.
@@ -91,6 +92,7 @@ class RedlockSettings:
     retry_backoff_max: float
     max_retries: int | None
     release_linger: float
+    wait_timeout: float = DEFAULTS["redlock_wait_timeout"]
     # Unique to each read in this process, and left out of ==: what a cache of values derived
     # from the settings is keyed on. An id() is not enough, as a newer settings object can be
     # given the id of an older one that was freed.
@@ -167,7 +169,14 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
             unit="seconds",
             why="it delays a finished task's release by up to that much",
         ),
+        wait_timeout=wait_timeout_setting("redlock_wait_timeout", get("redlock_wait_timeout")),
     )
+
+
+def wait_timeout_setting(name: str, value: object) -> float:
+    """How long a contended run may wait in its worker (``lock_contended="wait"``): finite and
+    above 0. No "for ever": the run keeps its worker slot while it waits."""
+    return number(name, value, above=0, unit="seconds", why="a waiting run keeps its worker slot")
 
 
 def new_redlock(settings: RedlockSettings) -> Redlock:

@@ -34,7 +34,7 @@ from typing import Any
 
 from celery import Task
 from celery import signals as celery_signals
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from celery.states import RETRY, SUCCESS
 
 from .._fork import pid
@@ -51,6 +51,7 @@ from .settings import (
     RELEASE_POLICIES,
     RedlockSettings,
     app_redlock,
+    wait_timeout_setting,
 )
 from .slots import PUBLISHED_HEADER, SLOT_HEADER, SLOT_SEPARATOR, read_stamp, slot_name, slot_period
 
@@ -73,6 +74,7 @@ class LockOptions:
 
     ttl: float
     contended: str
+    wait_timeout: float
     retry_backoff: float
     retry_backoff_max: float
     max_retries: int | None
@@ -110,6 +112,7 @@ class RedlockTaskMixin:
     lock_key: KeySpec = None
     lock_ttl: float | None = None
     lock_contended: str | None = None
+    lock_wait_timeout: float | None = None
     lock_retry_backoff: float | None = None
     lock_retry_backoff_max: float | None = None
     lock_max_retries: int | None = None
@@ -268,7 +271,13 @@ class RedlockTaskMixin:
 
     def _redlock_hold(self, lock: Lock, task_id: str, options: LockOptions, started: float) -> None:
         """Record the lock this run has just acquired, and keep it alive while the body runs."""
-        held = Held(lock, task_id, time.monotonic(), options.release == "on_expiry")
+        held = Held(
+            lock,
+            task_id,
+            time.monotonic(),
+            options.release == "on_expiry",
+            linger=options.contended != "wait",
+        )
         setattr(self.request, _REQUEST_ATTR, held)
         registry.register(held)
         if options.heartbeat:
@@ -349,8 +358,16 @@ class RedlockTaskMixin:
         request = self.request
         name = lock.name
         attempt = int(_header(request, ATTEMPT_HEADER) or 0)
-        why = "held by another run" if error.held_by_other else "no quorum of masters answered"
         policy = options.contended
+        if policy == "wait":
+            if self._redlock_wait(task_id, lock, options):
+                self._redlock_hold(lock, task_id, options, started)
+                return
+            # Not freed in time (or revoked): the wait was one attempt, and the retry policy
+            # (lock_retry_backoff, lock_max_retries) takes over.
+            error = lock.last_error or error
+            policy = "retry"
+        why = "held by another run" if error.held_by_other else "no quorum of masters answered"
         if policy == "retry" and options.max_retries is not None and attempt >= options.max_retries:
             policy = "exhausted"
         holder = None
@@ -395,6 +412,38 @@ class RedlockTaskMixin:
             )
             raise self._redlock_retry(attempt + 1, countdown, error)
         self._redlock_give_up(task_id, name, policy, why, attempt, error, holder)
+
+    def _redlock_wait(self, task_id: str, lock: Lock, options: LockOptions) -> bool:
+        """Wait in this worker for the lock, woken by its release, up to ``lock_wait_timeout``;
+        True once held. Capped so a soft time limit never fires inside the wait; ended early
+        when the worker process learns the task was revoked (not under prefork without
+        terminate: the child never sees the revoked set, so it waits out its timeout as a
+        running body would)."""
+        timeout = options.wait_timeout
+        soft = getattr(self.request, "timelimit", None)
+        soft_limit = (soft[1] if soft and len(soft) > 1 else None) or getattr(self, "soft_time_limit", None)
+        if soft_limit:
+            timeout = min(timeout, max(0.0, float(soft_limit) - lock.redlock.request_timeout))
+        from celery.worker import state as worker_state  # the worker's own, in this process
+
+        revoked = worker_state.revoked
+        started = time.monotonic()
+        got = lock.acquire(timeout=timeout, cancelled=lambda: task_id in revoked)
+        if not got and task_id in revoked:
+            # Revoked while it waited: ended as a revoked run ends (no retry is published).
+            logger.info("task %s[%s] revoked while it waited for %s", self.name, task_id, lock.name)
+            backend: Any = self.backend  # type: ignore[attr-defined]
+            backend.mark_as_revoked(task_id, "revoked while waiting for its lock", request=self.request)
+            raise Ignore()
+        logger.debug(
+            "task %s[%s]: waited %.3f s for %s: %s",
+            self.name,
+            task_id,
+            time.monotonic() - started,
+            lock.name,
+            "held" if got else "not freed in time",
+        )
+        return got
 
     def _redlock_give_up(
         self,
@@ -549,7 +598,7 @@ class RedlockTaskMixin:
         expire = held.expire and state == SUCCESS
         if not expire:
             # A retried run's copy may be taken by another worker at once: no lingering.
-            held.lock.release(linger=linger and state != RETRY)
+            held.lock.release(linger=linger and held.linger and state != RETRY)
         if signals.lock_released.receivers:
             signals.lock_released.send(
                 sender=self,
@@ -676,6 +725,8 @@ def _check_static_options(cls: type[RedlockTaskMixin], task_name: str) -> None:
             number(name(option), getattr(cls, option), at_least=0, unit="seconds")
     if cls.lock_max_retries is not None:
         count(name("lock_max_retries"), cls.lock_max_retries)
+    if cls.lock_wait_timeout is not None:
+        wait_timeout_setting(name("lock_wait_timeout"), cls.lock_wait_timeout)
     if cls.lock_contended is not None:
         choice(name("lock_contended"), cls.lock_contended, CONTENDED_POLICIES)
     choice(name("lock_release"), cls.lock_release, RELEASE_POLICIES)
@@ -707,6 +758,7 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
     return LockOptions(
         ttl=float(ttl),
         contended=task.lock_contended or settings.contended,
+        wait_timeout=task.lock_wait_timeout if task.lock_wait_timeout is not None else settings.wait_timeout,
         retry_backoff=(
             task.lock_retry_backoff if task.lock_retry_backoff is not None else settings.retry_backoff
         ),

@@ -345,3 +345,52 @@ def spin(
         lost = str(exc)
     record(record_to, event="end", key=key, task_id=self.request.id, start=start, end=now(), lost=lost)
     return lost
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_contended="wait",
+    lock_wait_timeout=20.0,
+    lock_retry_backoff=5.0,  # a run that fell back to a retry would show in the drain time
+    lock_retry_backoff_max=5.0,
+    name="lockapp.hold_or_wait",
+)
+def hold_or_wait(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
+    """Hold ``key`` for ``seconds`` after waiting in the worker for it; records the interval and
+    the lock attempt the run carries (0 unless it fell back to a retry)."""
+    start = now()
+    time.sleep(seconds)
+    attempt = getattr(self.request, "redlock_attempt", None)
+    if attempt is None:
+        attempt = (self.request.headers or {}).get("redlock_attempt")
+    assert self.redlock is not None
+    record(
+        record_to,
+        event="interval",
+        key=key,
+        task_id=self.request.id,
+        start=start,
+        end=now(),
+        owned=self.redlock.owned(),
+        attempt=attempt or 0,
+    )
+    return key
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    lock_key="res:<key>",
+    lock_contended="wait",
+    lock_wait_timeout=0.5,
+    lock_max_retries=1,
+    lock_retry_backoff=0.1,
+    lock_retry_backoff_max=0.1,
+    name="lockapp.wait_briefly",
+)
+def wait_briefly(self: RedlockTask, key: str, record_to: str) -> str:
+    """Waits at most 0.5 s per attempt, and has one lock retry: against a long holder it fails."""
+    record(record_to, event="ran", key=key, task_id=self.request.id)
+    return key

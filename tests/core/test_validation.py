@@ -109,6 +109,7 @@ NUMERIC_SETTINGS = [
     "redlock_retry_backoff",
     "redlock_retry_backoff_max",
     "redlock_release_linger",
+    "redlock_wait_timeout",
 ]
 
 
@@ -142,6 +143,7 @@ def test_good_celery_settings_are_read_as_floats() -> None:
             "lock_retry_backoff_max",
             "lock_heartbeat_interval",
             "lock_max_hold",
+            "lock_wait_timeout",
         ],
         BAD_NUMBERS,
     ),
@@ -195,7 +197,7 @@ def test_bounds_keep_their_messages() -> None:
     refused(lambda: Redlock(NOWHERE, release_linger=2), "release_linger", "must be at most 1.0")
     refused(lambda: Redlock(NOWHERE, retry_count=-1), "retry_count", "must be an int >= 0")
     refused(
-        lambda: read_settings({"redlock_masters": NOWHERE, "redlock_contended": "wait"}),
+        lambda: read_settings({"redlock_masters": NOWHERE, "redlock_contended": "sometimes"}),
         "redlock_contended",
         "must be one of",
     )

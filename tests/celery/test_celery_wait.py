@@ -1,0 +1,91 @@
+"""lock_contended="wait" on real workers (prefork 2x2 and threads), a real broker and five real
+masters.
+
+Invariants attacked:
+- duplicates never overlap, all run, and in wait mode none of them falls back to a lock retry
+  while the holder releases in time: each is woken by the release inside its worker;
+- a wait that outlasts lock_wait_timeout falls back to the retry policy (lock_max_retries), and
+  ends as that policy says (LockNotAcquired once the retries are spent);
+- a run revoked with terminate while it waits ends, holding nothing (the next duplicate runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import pytest
+from celery.exceptions import TaskRevokedError
+from conftest import holds, records, wait_until
+
+from celery_redlock import LockNotAcquired
+from celery_redlock.testing import CeleryWorker, find_overlaps
+
+Pool = tuple[str, str, list[CeleryWorker]]
+
+
+@pytest.mark.timeout(90)
+def test_wait_mode_duplicates_are_woken_by_the_release(lockapp: Any, pool: Pool, tag: str) -> None:
+    _, queue, _ = pool
+    count = 8
+    started = time.monotonic()
+    results = [lockapp.hold_or_wait.apply_async((tag, 0.1, tag), queue=queue) for _ in range(count)]
+    for result in results:
+        result.get(timeout=60)
+    took = time.monotonic() - started
+    intervals = sorted(records(lockapp, tag), key=lambda r: r["start"])
+    assert len(intervals) == count
+    assert find_overlaps(holds(intervals)) == []
+    assert all(r["owned"] for r in intervals)
+    # Nobody fell back to a lock retry (its backoff is 5 s): each wait ended with a release.
+    assert [r["attempt"] for r in intervals] == [0] * count
+    # 8 x 0.1 s back to back, plus what the handoffs and the broker add; a retry costs 5 s.
+    gaps = sorted(b["start"] - a["end"] for a, b in itertools.pairwise(intervals))
+    assert took < 0.1 * count + 4.0, (took, gaps)
+    # While the slots last, a waiter is woken within a round or two of the release.
+    assert gaps[len(gaps) // 2] < 0.25, gaps
+
+
+@pytest.mark.timeout(90)
+def test_a_wait_past_its_timeout_falls_back_to_the_retry_policy(lockapp: Any, pool: Pool, tag: str) -> None:
+    _, queue, _ = pool
+    holder = lockapp.hold.apply_async((tag, 4.0, f"{tag}-holder"), queue=queue)
+    wait_until(lambda: records(lockapp, f"{tag}-holder"), 20, "the holder to start")
+    waiter = lockapp.wait_briefly.apply_async((tag, tag), queue=queue)
+    with pytest.raises(LockNotAcquired):
+        waiter.get(timeout=30)
+    assert records(lockapp, tag) == []  # its body never ran
+    contended = [r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]
+    # One lock retry (the first wait), then the second wait ended the run.
+    assert [r["policy"] for r in contended] == ["retry", "exhausted"], contended
+    holder.get(timeout=30)
+
+
+@pytest.mark.timeout(90)
+def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: Pool, tag: str) -> None:
+    """prefork: revoke with terminate kills the waiting child. threads: a plain revoke reaches
+    the worker's revoked set, which the wait checks at each wake (at least every 0.5 s)."""
+    name, queue, _ = pool
+    holder = lockapp.hold.apply_async((tag, 2.0, f"{tag}-holder"), queue=queue)
+    wait_until(lambda: records(lockapp, f"{tag}-holder"), 20, "the holder to start")
+    waiter = lockapp.hold_or_wait.apply_async((tag, 0.1, tag), queue=queue)
+    wait_until(lambda: _active(lockapp, waiter.id), 10, "the waiter to run")
+    revoked_at = time.monotonic()
+    lockapp.app.control.revoke(waiter.id, terminate=name == "prefork")
+    with pytest.raises(TaskRevokedError):
+        waiter.get(timeout=20)
+    # Ended while the holder still held (it holds for 2 s): the wait itself was cut short.
+    assert time.monotonic() - revoked_at < 1.8
+    assert holder.state != "SUCCESS"
+    holder.get(timeout=30)
+    assert records(lockapp, tag) == []  # the revoked run's body never ran
+    # Whatever the pool did with the waiting run, a later duplicate gets the lock at once.
+    later = lockapp.hold_or_wait.apply_async((tag, 0.1, f"{tag}-later"), queue=queue)
+    later.get(timeout=30)
+    assert [r["attempt"] for r in records(lockapp, f"{tag}-later")] == [0]
+
+
+def _active(lockapp: Any, task_id: str) -> bool:
+    active = lockapp.app.control.inspect(timeout=1.0).active() or {}
+    return any(task.get("id") == task_id for tasks in active.values() for task in tasks)
