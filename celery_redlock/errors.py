@@ -105,3 +105,8 @@ class LockLost(RedlockError):
 
     def __str__(self) -> str:
         return f"lock {self.resource!r} lost" + (f": {self.reason}" if self.reason else "")
+
+
+class LockKindMismatch(ConfigError):
+    """One name used as a reentrant lock and as a plain one at the same time: the masters hold
+    it in the other kind's form. Use one kind per name."""

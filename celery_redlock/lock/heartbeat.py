@@ -29,6 +29,7 @@ from .._fork import on_fork_in_child
 from .._validate import number
 from .clock import now
 from .redlock import Lock, Redlock
+from .reentrant import ReentrantLock
 
 logger = logging.getLogger("celery_redlock.heartbeat")
 
@@ -106,13 +107,16 @@ class Heartbeat:
 
     def keep(
         self,
-        lock: Lock,
+        lock: Lock | ReentrantLock,
         *,
         interval: float | None = None,
         on_lost: OnLost | None = None,
         max_hold: float | None = None,
     ) -> None:
-        """Start keeping ``lock`` (already acquired) alive until :meth:`forget`."""
+        """Start keeping ``lock`` (already acquired) alive until :meth:`forget`. For a
+        reentrant lock, the calling owner's holding is kept (the heartbeat thread is another
+        owner: through the view it would see nothing held)."""
+        lock = _kept(lock)
         if not lock.owned():
             raise ValueError(f"lock {lock.name!r} is not held; acquire it before keeping it alive")
         every = (
@@ -138,8 +142,9 @@ class Heartbeat:
             if wake:
                 self._cond.notify()
 
-    def forget(self, lock: Lock) -> None:
+    def forget(self, lock: Lock | ReentrantLock) -> None:
         """Stop keeping ``lock`` alive (call before or after releasing it)."""
+        lock = _kept(lock)
         with self._cond:
             entry = self._entries.pop(id(lock), None)
             if entry is not None:
@@ -341,3 +346,11 @@ def _after_fork_in_child() -> None:
 
 
 on_fork_in_child(_after_fork_in_child)
+
+
+def _kept(lock: Lock | ReentrantLock) -> Lock:
+    """The Lock a heartbeat keeps for ``lock``: a reentrant lock's holding for the asking owner
+    (or the view's template, never held, when it has none: refused or forgotten as unheld)."""
+    if isinstance(lock, ReentrantLock):
+        return lock.holding() or lock._template
+    return lock

@@ -32,8 +32,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from .._fork import on_fork_in_child, pid
 from .._validate import choice, count, number, wait_timeout
@@ -54,6 +55,9 @@ from .masters import (
 )
 from .subscriber import Subscriber, Waiter
 
+if TYPE_CHECKING:
+    from .reentrant import ReentrantLock
+
 logger = logging.getLogger("celery_redlock.redlock")
 
 # Names longer than this are shortened to a readable head plus a digest of the whole name.
@@ -67,6 +71,26 @@ MAX_RELEASE_LINGER = 1.0
 ACQUIRE = wire.Template(("SET", wire.SLOT, wire.SLOT, "NX", "PX", wire.SLOT))  # key token <ms>
 RELEASE = script_template(scripts.RELEASE, 1, 1)  # key token
 EXTEND = script_template(scripts.EXTEND, 1, 2)  # key token <ms>
+
+
+@dataclass(frozen=True)
+class Commands:
+    """The three commands one kind of lock is taken, released and extended with, packed from
+    (key, token[, ttl ms]). A grant answers ``+OK``; a release or extension answers 1 if the
+    token held the key."""
+
+    acquire: wire.Template
+    release: wire.Template
+    extend: wire.Template
+
+
+PLAIN = Commands(ACQUIRE, RELEASE, EXTEND)
+# A reentrant lock's key is a hash {token: count} (see scripts.py and reentrant.py).
+REENTRANT = Commands(
+    script_template(scripts.R_ACQUIRE, 1, 2),
+    script_template(scripts.R_RELEASE, 1, 1),
+    script_template(scripts.R_EXTEND, 1, 2),
+)
 
 
 class RedlockWarning(UserWarning):
@@ -204,6 +228,7 @@ class Redlock:
         self._sets.clear()
 
     # -- public factory --------------------------------------------------------------------------
+    @overload
     def lock(
         self,
         name: str,
@@ -212,12 +237,47 @@ class Redlock:
         timeout: float | None = None,
         blocking: bool = True,
         holder: str = "",
-    ) -> Lock:
+        reentrant: Literal[False] = False,
+    ) -> Lock: ...
+
+    @overload
+    def lock(
+        self,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+        holder: str = "",
+        reentrant: Literal[True],
+    ) -> ReentrantLock: ...
+
+    def lock(
+        self,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+        holder: str = "",
+        reentrant: bool = False,
+    ) -> Lock | ReentrantLock:
         """A :class:`Lock` for one resource. Nothing is sent until it is acquired.
 
         ``holder``: who takes it (any text without line breaks), stored beside the token so a
         contender or an operator can ask :meth:`holder` who has the resource.
+
+        ``reentrant=True``: a :class:`~celery_redlock.lock.reentrant.ReentrantLock`, which the
+        execution context holding it (its thread, asyncio task or Celery task execution) may
+        acquire again without blocking. A name is used reentrant everywhere or nowhere: the
+        masters hold the two kinds in different forms (:class:`LockKindMismatch` otherwise).
         """
+        if reentrant is True:
+            from .reentrant import ReentrantLock
+
+            return ReentrantLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
+        if reentrant is not False:
+            raise ConfigError(f"reentrant must be True or False, got {reentrant!r}")
         return Lock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
 
     def flush_releases(self) -> None:
@@ -277,13 +337,15 @@ class Redlock:
                 votes.append(Vote(self.masters[i].name, outcome.kind, outcome.detail))
         return votes, yes
 
-    def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+    def try_acquire(
+        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
+    ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
         On failure every master is sent the release on the link the acquire used, so a late
         write is always followed by its deletion.
         """
-        acquire = ACQUIRE.pack(key, token, _milliseconds(ttl))
+        acquire = commands.acquire.pack(key, token, _milliseconds(ttl))
         # Taken before the round makes any missing connection: all of the round, connects
         # included, is spent out of the TTL (and Lock counts its validity from earlier still).
         t_start = now()
@@ -301,12 +363,12 @@ class Redlock:
                 if granted < len(votes):
                     # A master that answered late may still set the key; retract it on the same
                     # link (not waited for) so the key cannot outlive our release.
-                    release = RELEASE.pack(key, token)
+                    release = commands.release.pack(key, token)
                     late = [release if v.kind == "timeout" else None for v in votes]
                     if any(late):
                         rnd.send(late, self.request_timeout)
                 return validity, votes, elapsed
-            release = RELEASE.pack(key, token)
+            release = commands.release.pack(key, token)
             # A master that answered "held" refused our SET: nothing of ours is there to delete.
             # Every other one (yes, error, timeout) may hold our token and gets the release.
             retract = [None if v.kind == "held" else release for v in votes]
@@ -314,9 +376,11 @@ class Redlock:
                 rnd.send(retract, self.request_timeout)
         return min(validity, 0.0), votes, elapsed
 
-    def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
+    def try_extend(
+        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
+    ) -> tuple[float, list[Vote], float]:
         """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
-        command = EXTEND.pack(key, token, _milliseconds(ttl))
+        command = commands.extend.pack(key, token, _milliseconds(ttl))
         t_start = now()  # before the round's connects, as in try_acquire
         with self._round() as rnd:
             outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
@@ -362,7 +426,10 @@ class Redlock:
                 if token is not None:
                     batch.append((lock, token))
             if batch:
-                commands = [EXTEND.pack(lock.key, token, _milliseconds(lock.ttl)) for lock, token in batch]
+                commands = [
+                    lock._commands.extend.pack(lock.key, token, _milliseconds(lock.ttl))
+                    for lock, token in batch
+                ]
                 started = now()  # before the round's connects, as in try_extend
                 with self._round() as rnd:
                     replies = rnd.call_many([commands] * len(self.masters), self.request_timeout)
@@ -376,7 +443,7 @@ class Redlock:
                 lock.extended(lock.ttl)
         return [extended.get(id(lock), False) for lock in locks]
 
-    def release_key(self, key: str, token: str, *, linger: bool = True) -> None:
+    def release_key(self, key: str, token: str, *, linger: bool = True, commands: Commands = PLAIN) -> None:
         """Send the compare-and-delete to every master, without waiting for the replies.
 
         Each master applies it as it arrives, before anything this process sends it later on
@@ -384,7 +451,7 @@ class Redlock:
         would only tell us what expiry makes true anyway, at the price of a round trip. With
         ``release_linger`` set (and ``linger``), it waits to travel with the next round.
         """
-        command = RELEASE.pack(key, token)
+        command = commands.release.pack(key, token)
         if linger and self._lingering is not None:
             self._lingering.add(command)
             return
@@ -512,6 +579,9 @@ class Lock:
     parent's. The child's copy may be acquired again, as a new lock with a token of the child's
     own, which waits for the parent's release like any other contender.
     """
+
+    # What this kind of lock sends (a subclass may send others: see reentrant.py).
+    _commands: Commands = PLAIN
 
     def __init__(
         self,
@@ -642,7 +712,7 @@ class Lock:
                 token = os.urandom(20).hex() + self._holder_suffix
                 with mutex:
                     started = now()
-                    validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl)
+                    validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl, self._commands)
                     self.last_votes = votes
                     if validity > 0:
                         # Anchored before the round, never when its result is looked at: a
@@ -663,7 +733,8 @@ class Lock:
                             return True
                         # Granted, but run out before it was looked at: a failed attempt, and so
                         # released like one.
-                        redlock.release_key(self.key, token)
+                        redlock.release_key(self.key, token, commands=self._commands)
+                self._refused(votes)
                 # Built only when asked for: a contended loop fails far more often than it looks.
                 self._failure = (votes, attempts, elapsed, validity)
                 self._last_error = None
@@ -718,6 +789,10 @@ class Lock:
             time.sleep(min(random.uniform(0, redlock.retry_delay), max(0.0, deadline - now())))
         return True
 
+    def _refused(self, votes: list[Vote]) -> None:
+        """Called with the votes of each failed attempt; a kind of lock that can tell a refusal
+        no retry will change (see reentrant.py) raises here."""
+
     def extend(self, ttl: float | None = None) -> bool:
         """Set the lock's TTL to ``ttl`` (default: its own) on a quorum; False if that failed.
 
@@ -736,7 +811,7 @@ class Lock:
             if token is None:
                 return False
             started = now()
-            validity, votes, _ = redlock.try_extend(self.key, token, ttl)
+            validity, votes, _ = redlock.try_extend(self.key, token, ttl, self._commands)
             if not self._settle_extension(token, started, ttl, validity, votes):
                 return False
         self.extended(ttl)
@@ -800,7 +875,7 @@ class Lock:
             self._valid_until = 0.0
             self._lost_reason = ""
         if token is not None:
-            self.redlock.release_key(self.key, token, linger=linger)
+            self.redlock.release_key(self.key, token, linger=linger, commands=self._commands)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still owned."""

@@ -8,6 +8,7 @@ import pytest
 
 from celery_redlock import LockNotAcquired, Redlock, Vote
 from celery_redlock.lock.masters import BACKOFF_CAP
+from celery_redlock.lock.redlock import PLAIN, Commands
 from celery_redlock.testing import ServerSet
 
 from .conftest import keys_on
@@ -207,13 +208,17 @@ class StallsAfterEachRound(Redlock):
 
     stall = 0.5
 
-    def try_acquire(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
-        result = super().try_acquire(key, token, ttl)
+    def try_acquire(
+        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
+    ) -> tuple[float, list[Vote], float]:
+        result = super().try_acquire(key, token, ttl, commands)
         time.sleep(self.stall)
         return result
 
-    def try_extend(self, key: str, token: str, ttl: float) -> tuple[float, list[Vote], float]:
-        result = super().try_extend(key, token, ttl)
+    def try_extend(
+        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
+    ) -> tuple[float, list[Vote], float]:
+        result = super().try_extend(key, token, ttl, commands)
         time.sleep(self.stall)
         return result
 

@@ -37,6 +37,7 @@ import pytest
 
 import celery_redlock
 from celery_redlock import ConfigError, Lock, LockLost, Redlock
+from celery_redlock.lock.redlock import PLAIN, Commands
 from celery_redlock.testing import ProxySet, ServerSet
 
 from .conftest import values_on, wait_for
@@ -106,8 +107,8 @@ class StallsAfterTheRound(Redlock):
 
     stall = 0.5
 
-    def try_extend(self, key: str, token: str, ttl: float) -> Any:
-        result = super().try_extend(key, token, ttl)
+    def try_extend(self, key: str, token: str, ttl: float, commands: Commands = PLAIN) -> Any:
+        result = super().try_extend(key, token, ttl, commands)
         time.sleep(self.stall)
         return result
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from celery_redlock import Redlock
+from celery_redlock.lock.redlock import PLAIN, Commands
 from celery_redlock.testing import ProxySet, ServerSet
 
 TTL = 0.25
@@ -33,8 +34,8 @@ class StallsAfterTheRound(Redlock):
 
     stall = 0.0
 
-    def try_acquire(self, key: str, token: str, ttl: float) -> Any:
-        result = super().try_acquire(key, token, ttl)
+    def try_acquire(self, key: str, token: str, ttl: float, commands: Commands = PLAIN) -> Any:
+        result = super().try_acquire(key, token, ttl, commands)
         time.sleep(self.stall)
         return result
 

@@ -1,0 +1,253 @@
+"""Reentrant locks: the owner that holds one may acquire it again without blocking.
+
+``Redlock.lock(name, reentrant=True)`` returns a :class:`ReentrantLock`, a *view*: it holds no
+token of its own. Each owner (see :mod:`.owner`: the thread, the asyncio task, or one Celery task
+execution) that acquires it gets a *holding*: an inner :class:`~.redlock.Lock` sending the
+reentrant scripts (the key is a hash {token: count}, see :mod:`.scripts`), and a depth.
+
+- First acquisition by an owner: a plain Redlock acquisition with ``R_ACQUIRE`` in place of
+  ``SET NX PX``: the same votes, quorum, validity and retraction.
+- Re-entry: one ``R_ENTER`` round, settled exactly as an extension is
+  (``Lock._settle_extension``): a quorum renews the validity from the round's start; a lost
+  quorum raises :class:`LockLost`; a partial answer keeps the validity the holding has and still
+  grants the re-entry, because nobody else can hold a quorum while this owner does.
+- Inner exits send ``R_EXIT`` (never deletes) without waiting; the final exit sends
+  ``R_RELEASE``, which deletes by token whatever the counts, so a count that drifted on one
+  master can neither free the lock early nor keep it after the last exit.
+
+INVARIANT: a lock is held for an owner iff its holding's inner Lock is owned; the depth is the
+number of acquisitions minus releases by that owner, kept on the client; the masters' counts only
+mirror it. Mutual exclusion comes only from the inner Lock's quorum, as for plain locks.
+
+The registry of holdings is module-level, keyed by (the masters' names, the key, the owner), so
+a Redlock rebuilt over the same masters (``app_redlock`` after a settings change) still finds the
+owner's holding instead of waiting on itself. A forked child starts with no holdings: it is
+another owner, and waits for its parent's release like any contender.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+
+from .._fork import on_fork_in_child
+from ..errors import LockKindMismatch, LockLost, LockNotAcquired, Vote
+from .clock import now
+from .masters import script_template
+from .owner import current_owner
+from .redlock import REENTRANT, Lock, Redlock, _milliseconds
+from .scripts import R_ENTER, R_EXIT
+
+ENTER = script_template(R_ENTER, 1, 2)  # key token <ms>
+EXIT = script_template(R_EXIT, 1, 1)  # key token
+_KIND = "REDLOCK_KIND"
+
+
+class _Inner(Lock):
+    """One owner's acquisition of a reentrant lock: a Lock sending the reentrant scripts."""
+
+    _commands = REENTRANT
+
+    def _refused(self, votes: list[Vote]) -> None:
+        _raise_on_kind(self.name, votes)
+
+
+def _raise_on_kind(name: str, votes: list[Vote]) -> None:
+    mixed = [vote.master for vote in votes if vote.kind == "error" and _KIND in vote.detail]
+    if mixed:
+        raise LockKindMismatch(
+            f"lock {name!r} is held as a plain lock on {', '.join(mixed)}; a name must be used either "
+            "reentrant=True everywhere or nowhere"
+        )
+
+
+@dataclass
+class _Holding:
+    inner: _Inner
+    depth: int
+
+
+_registry: dict[tuple[tuple[str, ...], str, str], _Holding] = {}
+_registry_mutex = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _registry_mutex
+    _registry.clear()  # the parent's holdings are the parent's
+    _registry_mutex = threading.Lock()
+
+
+on_fork_in_child(_forget_after_fork)
+
+
+class ReentrantLock:
+    """A lock its owner may acquire again while holding it; released when every acquisition of
+    that owner has been released. Made by ``Redlock.lock(name, reentrant=True)``.
+
+    The owner is the execution context: the same thread (or, inside a running asyncio task, the
+    same task; or one Celery task execution) re-enters. Another thread, another task (even one
+    created inside the block, or run with ``asyncio.to_thread``), and another process (a forked
+    child too) do not, even through this same object: they contend like anyone else. ``owned()``,
+    ``validity``, ``token`` and ``depth`` answer for the asking owner.
+    """
+
+    def __init__(
+        self,
+        redlock: Redlock,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+        holder: str = "",
+    ) -> None:
+        # A template Lock checks the arguments now, where they were written.
+        self._template = _Inner(redlock, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
+        self.redlock = redlock
+        self.name = name
+        self.key = self._template.key
+        self.ttl = self._template.ttl
+        self._where = tuple(master.name for master in redlock.masters)
+        self._holder = holder
+        self._last_error: LockNotAcquired | None = None
+
+    def __repr__(self) -> str:
+        return f"<ReentrantLock {self.name!r} ttl={self.ttl}s depth={self.depth}>"
+
+    def _id(self) -> tuple[tuple[str, ...], str, str]:
+        return (self._where, self.key, current_owner())
+
+    def holding(self) -> Lock | None:
+        """The asking owner's inner Lock (what a heartbeat keeps alive), or None."""
+        with _registry_mutex:
+            found = _registry.get(self._id())
+        return found.inner if found is not None else None
+
+    @property
+    def depth(self) -> int:
+        with _registry_mutex:
+            found = _registry.get(self._id())
+        return found.depth if found is not None else 0
+
+    @property
+    def token(self) -> str | None:
+        inner = self.holding()
+        return inner.token if inner is not None else None
+
+    @property
+    def validity(self) -> float:
+        inner = self.holding()
+        return inner.validity if inner is not None else 0.0
+
+    def owned(self) -> bool:
+        return self.validity > 0.0
+
+    @property
+    def last_error(self) -> LockNotAcquired | None:
+        return self._last_error
+
+    def acquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> bool:
+        """Acquire for the asking owner, or enter again if it holds the lock already (then
+        without blocking: one round). :class:`LockLost` if it held the lock and lost it; an
+        unacquired lock waits as :meth:`Lock.acquire` does."""
+        ident = self._id()
+        with _registry_mutex:
+            found = _registry.get(ident)
+        if found is None:
+            inner = _Inner(self.redlock, self.name, self.ttl, holder=self._holder)
+            if not inner.acquire(blocking, timeout, cancelled=cancelled):
+                self._last_error = inner.last_error
+                return False
+            with _registry_mutex:
+                _registry[ident] = _Holding(inner, 1)
+            self._last_error = None
+            return True
+        self._enter(found)
+        return True
+
+    def _enter(self, found: _Holding) -> None:
+        """One R_ENTER round for an owner that holds the lock (see the module docstring)."""
+        inner = found.inner
+        redlock = self.redlock
+        with inner._mutex():
+            token = inner._extendable()
+            if token is None:
+                raise LockLost(self.name, inner.lost_reason or "validity ran out before the re-entry")
+            command = ENTER.pack(self.key, token, _milliseconds(inner.ttl))
+            started = now()
+            with redlock._round() as rnd:
+                outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)
+                elapsed = now() - started
+            votes = []
+            yes = 0
+            for master, outcome in zip(redlock.masters, outcomes, strict=True):
+                if outcome.kind == "ok" and isinstance(outcome.value, int) and outcome.value >= 1:
+                    votes.append(Vote(master.name, "yes"))
+                    yes += 1
+                elif outcome.kind == "ok":
+                    votes.append(Vote(master.name, "held"))
+                else:
+                    votes.append(Vote(master.name, outcome.kind, outcome.detail))
+            _raise_on_kind(self.name, votes)
+            validity = inner.ttl - elapsed - redlock.drift(inner.ttl) if yes >= redlock.quorum else 0.0
+            inner._settle_extension(token, started, inner.ttl, validity, votes)
+            if inner.lost_reason or not inner.owned():
+                raise LockLost(self.name, inner.lost_reason or "validity ran out during the re-entry")
+            found.depth += 1
+
+    def release(self, *, linger: bool = True) -> None:
+        """Undo the asking owner's latest acquisition; the last one frees the lock. Does nothing
+        for an owner that holds nothing (as :meth:`Lock.release`)."""
+        ident = self._id()
+        with _registry_mutex:
+            found = _registry.get(ident)
+            if found is None:
+                return
+            found.depth -= 1
+            last = found.depth <= 0
+            if last:
+                del _registry[ident]
+        inner = found.inner
+        if last:
+            inner.release(linger=linger)
+            return
+        token = inner.token
+        if token is not None:
+            # Not waited for, as a release is not: the mirror count on the masters drops by one.
+            with self.redlock._round() as rnd:
+                rnd.send(
+                    [EXIT.pack(self.key, token)] * len(self.redlock.masters), self.redlock.request_timeout
+                )
+
+    def extend(self, ttl: float | None = None) -> bool:
+        inner = self.holding()
+        return inner.extend(ttl) if inner is not None else False
+
+    def ensure(self) -> None:
+        inner = self.holding()
+        if inner is None:
+            raise LockLost(self.name, "not acquired by this owner")
+        inner.ensure()
+
+    def __enter__(self) -> ReentrantLock:
+        t = self._template
+        if not self.acquire(t._blocking, t._timeout):
+            assert self.last_error is not None
+            raise self.last_error
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
