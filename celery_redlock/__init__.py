@@ -35,11 +35,15 @@ _EXPORTS = {
     "RedlockTask": "celery_redlock.celery.task",
     "RedlockTaskMixin": "celery_redlock.celery.task",
     "is_skipped": "celery_redlock.celery.task",
+    "app_redlock": "celery_redlock.celery.settings",
+    "ReentrantLock": "celery_redlock.lock.reentrant",
+    "LockKindMismatch": "celery_redlock.errors",
 }
 
 __all__ = [
     "ConfigError",
     "Lock",
+    "LockKindMismatch",
     "LockLost",
     "LockNotAcquired",
     "NotLocked",
@@ -48,17 +52,29 @@ __all__ = [
     "RedlockTask",
     "RedlockTaskMixin",
     "RedlockWarning",
+    "ReentrantLock",
     "Vote",
     "__version__",
+    "app_redlock",
     "is_skipped",
     "process_heartbeat",
 ]
 
 if TYPE_CHECKING:
+    from .celery.settings import app_redlock
     from .celery.task import RedlockTask, RedlockTaskMixin, is_skipped
-    from .errors import ConfigError, LockLost, LockNotAcquired, NotLocked, RedlockError, Vote
+    from .errors import (
+        ConfigError,
+        LockKindMismatch,
+        LockLost,
+        LockNotAcquired,
+        NotLocked,
+        RedlockError,
+        Vote,
+    )
     from .lock.heartbeat import process_heartbeat
     from .lock.redlock import Lock, Redlock, RedlockWarning
+    from .lock.reentrant import ReentrantLock
 
 
 def __getattr__(name: str) -> Any:

@@ -31,6 +31,8 @@ class Held:
     finished: bool = False
     # Released at once, never lingering: a "wait" mode run's release is what wakes the next.
     linger: bool = True
+    # The inner lock of a reentrant lock's holding (lock_reentrant=True; see lock/reentrant.py).
+    reentrant: bool = False
 
     @property
     def held_for(self) -> float:

@@ -28,7 +28,7 @@ from celery import signals as celery_signals
 
 from ..errors import ConfigError
 from . import held
-from .settings import app_redlock, close_app_redlock
+from .settings import app_settings_and_redlock, close_app_redlock
 from .slots import PUBLISHED_HEADER
 
 logger = logging.getLogger("celery_redlock.hooks")
@@ -62,7 +62,7 @@ def prepare_child(**_: Any) -> None:
     # A bad configuration stopped the worker at start; one made since (a change to app.conf)
     # fails each locked run with the ConfigError, which is where it is reported.
     with contextlib.suppress(ConfigError):
-        app_redlock(current_app)
+        app_settings_and_redlock(current_app)
 
 
 _HOOKS = (

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._fork import on_fork_in_child, pid
-from .._validate import choice, count, number
+from .._validate import choice, count, flag, number
 from ..errors import ConfigError
 from ..lock.redlock import MAX_RELEASE_LINGER, Redlock
 
@@ -56,6 +56,7 @@ DEFAULTS: dict[str, Any] = {
     "redlock_max_retries": None,
     "redlock_release_linger": 0.02,
     "redlock_wait_timeout": 10.0,
+    "redlock_reentrant": False,
 }
 # Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
 # package reads is known in one place, for the unknown-name warning.
@@ -93,6 +94,7 @@ class RedlockSettings:
     max_retries: int | None
     release_linger: float
     wait_timeout: float = DEFAULTS["redlock_wait_timeout"]
+    reentrant: bool = False
     # Unique to each read in this process, and left out of ==: what a cache of values derived
     # from the settings is keyed on. An id() is not enough, as a newer settings object can be
     # given the id of an older one that was freed.
@@ -170,6 +172,7 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
             why="it delays a finished task's release by up to that much",
         ),
         wait_timeout=wait_timeout_setting("redlock_wait_timeout", get("redlock_wait_timeout")),
+        reentrant=flag("redlock_reentrant", get("redlock_reentrant")),
     )
 
 
@@ -308,7 +311,7 @@ _cache: dict[int, _Entry] = {}
 _cache_lock = threading.Lock()
 
 
-def app_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
+def app_settings_and_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
     """The settings and this process's :class:`Redlock` for ``app``, built on first use and
     rebuilt when ``app.conf``'s ``redlock_*`` values change (see the module docstring).
 
@@ -380,6 +383,14 @@ def _log_change(app_name: Any, old: RedlockSettings, new: RedlockSettings, chang
             pid(),
             described,
         )
+
+
+def app_redlock(app: Any) -> Redlock:
+    """The :class:`Redlock` this process uses for ``app``'s locked tasks, over its
+    ``redlock_*`` settings: for locks a task's body takes itself, such as a service function's
+    ``with app_redlock(app).lock("invoice:42", reentrant=True):`` that re-enters the task's own
+    lock (``lock_reentrant=True``). Rebuilt when the settings change, like the tasks' own."""
+    return app_settings_and_redlock(app)[1]
 
 
 def close_app_redlock(app: Any | None = None) -> None:

@@ -41,7 +41,9 @@ from .._fork import pid
 from .._validate import choice, count, flag, number
 from ..errors import ConfigError, LockNotAcquired, NotLocked
 from ..lock.heartbeat import process_heartbeat
+from ..lock.owner import close_scope, open_scope
 from ..lock.redlock import Lock
+from ..lock.reentrant import ReentrantLock, forget_holding
 from . import held as registry
 from . import hooks, signals
 from .held import Held
@@ -50,7 +52,7 @@ from .settings import (
     CONTENDED_POLICIES,
     RELEASE_POLICIES,
     RedlockSettings,
-    app_redlock,
+    app_settings_and_redlock,
     wait_timeout_setting,
 )
 from .slots import PUBLISHED_HEADER, SLOT_HEADER, SLOT_SEPARATOR, read_stamp, slot_name, slot_period
@@ -59,6 +61,8 @@ logger = logging.getLogger("celery_redlock.task")
 
 ATTEMPT_HEADER = "redlock_attempt"
 _REQUEST_ATTR = "_redlock_held"
+# The owner scope a reentrant run opened (see lock/owner.py), closed when it ends.
+_SCOPE_ATTR = "_redlock_scope"
 # Set on the request of a run skipped by lock_contended="skip": the marker its body returns.
 _SKIP_ATTR = "_redlock_skipped"
 # Set on a marked request once the tracer's call of the run has begun (see _enter_run).
@@ -74,6 +78,7 @@ class LockOptions:
 
     ttl: float
     contended: str
+    reentrant: bool
     wait_timeout: float
     retry_backoff: float
     retry_backoff_max: float
@@ -112,6 +117,7 @@ class RedlockTaskMixin:
     lock_key: KeySpec = None
     lock_ttl: float | None = None
     lock_contended: str | None = None
+    lock_reentrant: bool | None = None
     lock_wait_timeout: float | None = None
     lock_retry_backoff: float | None = None
     lock_retry_backoff_max: float | None = None
@@ -251,7 +257,7 @@ class RedlockTaskMixin:
 
     # -- the work ---------------------------------------------------------------------------------
     def _redlock_acquire(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        settings, redlock = app_redlock(self.app)
+        settings, redlock = app_settings_and_redlock(self.app)
         options = self.lock_options(settings)
         name = self.lock_name(args, kwargs)
         request = self.request  # a lookup through Celery's request stack each time
@@ -260,23 +266,40 @@ class RedlockTaskMixin:
         # Who holds it, stored beside the token in the same SET: a contender tells an earlier
         # attempt of its own task from a duplicate, and an operator sees host, pid and since.
         holder = f'{{"task":{json.dumps(task_id)},"host":{_HOST},"pid":{pid()},"since":{time.time():.3f}}}'
-        lock = redlock.lock(name, options.ttl, holder=holder)
+        lock: Lock | ReentrantLock
+        if options.reentrant:
+            # This execution is one owner: code its body calls re-enters through app_redlock(app).
+            setattr(request, _SCOPE_ATTR, open_scope())
+            lock = redlock.lock(name, options.ttl, holder=holder, reentrant=True)
+        else:
+            lock = redlock.lock(name, options.ttl, holder=holder)
         started = time.monotonic()
         if lock.acquire(blocking=False):
             self._redlock_hold(lock, task_id, options, started)
             return
         error = lock.last_error
         assert error is not None
-        self._redlock_contended(task_id, lock, options, error, started)
+        try:
+            self._redlock_contended(task_id, lock, options, error, started)
+        finally:
+            if options.reentrant and getattr(request, _REQUEST_ATTR, None) is None:
+                _close_scope(request)  # not held (retried, skipped, failed): the scope ends here
 
-    def _redlock_hold(self, lock: Lock, task_id: str, options: LockOptions, started: float) -> None:
+    def _redlock_hold(
+        self, acquired: Lock | ReentrantLock, task_id: str, options: LockOptions, started: float
+    ) -> None:
         """Record the lock this run has just acquired, and keep it alive while the body runs."""
+        # A reentrant lock is kept by its holding's inner Lock, which any thread may extend or
+        # release (the view answers only for the owner asking).
+        lock = acquired.holding() if isinstance(acquired, ReentrantLock) else acquired
+        assert lock is not None
         held = Held(
             lock,
             task_id,
             time.monotonic(),
             options.release == "on_expiry",
             linger=options.contended != "wait",
+            reentrant=isinstance(acquired, ReentrantLock),
         )
         setattr(self.request, _REQUEST_ATTR, held)
         registry.register(held)
@@ -350,7 +373,12 @@ class RedlockTaskMixin:
         return at
 
     def _redlock_contended(
-        self, task_id: str, lock: Lock, options: LockOptions, error: LockNotAcquired, started: float
+        self,
+        task_id: str,
+        lock: Lock | ReentrantLock,
+        options: LockOptions,
+        error: LockNotAcquired,
+        started: float,
     ) -> None:
         """What a run that did not get its lock does, by ``lock_contended``: retry later, skip,
         or fail. An eager run (``apply()``, ``task_always_eager``) never publishes: it waits
@@ -413,7 +441,7 @@ class RedlockTaskMixin:
             raise self._redlock_retry(attempt + 1, countdown, error)
         self._redlock_give_up(task_id, name, policy, why, attempt, error, holder)
 
-    def _redlock_wait(self, task_id: str, lock: Lock, options: LockOptions) -> bool:
+    def _redlock_wait(self, task_id: str, lock: Lock | ReentrantLock, options: LockOptions) -> bool:
         """Wait in this worker for the lock, woken by its release, up to ``lock_wait_timeout``;
         True once held. Capped so a soft time limit never fires inside the wait; ended early
         when the worker process learns the task was revoked (not under prefork without
@@ -483,7 +511,7 @@ class RedlockTaskMixin:
     def _redlock_wait_eager(
         self,
         task_id: str,
-        lock: Lock,
+        lock: Lock | ReentrantLock,
         options: LockOptions,
         policy: str,
         why: str,
@@ -595,6 +623,10 @@ class RedlockTaskMixin:
         held.finished = True
         registry.unregister(held)
         process_heartbeat().forget(held.lock)
+        if held.reentrant:
+            # The execution's holding ends with it, whatever depth its body left behind.
+            forget_holding(held.lock)
+            _close_scope(self.request)
         expire = held.expire and state == SUCCESS
         if not expire:
             # A retried run's copy may be taken by another worker at once: no lingering.
@@ -710,6 +742,19 @@ def _header(request: Any, name: str) -> Any:
     return value
 
 
+def _close_scope(request: Any) -> None:
+    """Close the owner scope a reentrant run opened, once: Celery may run the next execution in
+    this thread and context, which must not be the same owner."""
+    scope = getattr(request, _SCOPE_ATTR, None)
+    if scope is None:
+        return
+    setattr(request, _SCOPE_ATTR, None)
+    try:
+        close_scope(scope)
+    except ValueError:  # reset from another context than the one that opened it
+        logger.debug("an owner scope was closed from another context", exc_info=True)
+
+
 def _check_static_options(cls: type[RedlockTaskMixin], task_name: str) -> None:
     """Fail at class creation on option values that are wrong whatever the settings."""
 
@@ -725,6 +770,8 @@ def _check_static_options(cls: type[RedlockTaskMixin], task_name: str) -> None:
             number(name(option), getattr(cls, option), at_least=0, unit="seconds")
     if cls.lock_max_retries is not None:
         count(name("lock_max_retries"), cls.lock_max_retries)
+    if cls.lock_reentrant is not None:
+        flag(name("lock_reentrant"), cls.lock_reentrant)
     if cls.lock_wait_timeout is not None:
         wait_timeout_setting(name("lock_wait_timeout"), cls.lock_wait_timeout)
     if cls.lock_contended is not None:
@@ -758,6 +805,7 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
     return LockOptions(
         ttl=float(ttl),
         contended=task.lock_contended or settings.contended,
+        reentrant=task.lock_reentrant if task.lock_reentrant is not None else settings.reentrant,
         wait_timeout=task.lock_wait_timeout if task.lock_wait_timeout is not None else settings.wait_timeout,
         retry_backoff=(
             task.lock_retry_backoff if task.lock_retry_backoff is not None else settings.retry_backoff
@@ -823,7 +871,7 @@ def check_app(app: Any) -> list[str]:
     locked = [t for t in app.tasks.values() if isinstance(t, RedlockTaskMixin)]
     if not locked:
         return []
-    settings, redlock = app_redlock(app)
+    settings, redlock = app_settings_and_redlock(app)
     problems = []
     if len(settings.masters) % 2 == 0:
         problems.append(

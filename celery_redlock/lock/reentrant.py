@@ -251,3 +251,13 @@ class ReentrantLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def forget_holding(inner: Lock) -> None:
+    """Drop the registry's entry for the holding whose inner lock is ``inner``, whoever asks
+    (Celery ends an execution's holding from its own hooks). The lock itself is left as it is:
+    the caller releases ``inner``, or lets it expire."""
+    with _registry_mutex:
+        for ident, found in list(_registry.items()):
+            if found.inner is inner:
+                del _registry[ident]

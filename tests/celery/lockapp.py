@@ -394,3 +394,32 @@ def wait_briefly(self: RedlockTask, key: str, record_to: str) -> str:
     """Waits at most 0.5 s per attempt, and has one lock retry: against a long holder it fails."""
     record(record_to, event="ran", key=key, task_id=self.request.id)
     return key
+
+
+def charge_service(key: str, record_to: str) -> None:
+    """A service function a task calls: it takes the resource's lock itself, as it would when
+    called from elsewhere; inside a lock_reentrant task it re-enters the task's own lock."""
+    from celery_redlock import app_redlock
+
+    with app_redlock(app).lock(f"res:{key}", ttl=5, reentrant=True) as lock:
+        record(record_to, event="service", key=key, depth=lock.depth, owned=lock.owned())
+        time.sleep(0.1)
+
+
+@app.task(
+    bind=True, base=RedlockTask, lock_key="res:<key>", lock_reentrant=True, name="lockapp.reentrant_job"
+)
+def reentrant_job(self: RedlockTask, key: str, record_to: str) -> str:
+    start = now()
+    charge_service(key, record_to)
+    assert self.redlock is not None
+    record(
+        record_to,
+        event="interval",
+        key=key,
+        task_id=self.request.id,
+        start=start,
+        end=now(),
+        owned=self.redlock.owned(),
+    )
+    return key

@@ -24,7 +24,7 @@ from celery_redlock import ConfigError, Redlock, RedlockTask
 from celery_redlock.celery import settings as settings_module
 from celery_redlock.celery.settings import (
     KNOWN_SETTINGS,
-    app_redlock,
+    app_settings_and_redlock,
     close_app_redlock,
     unknown_settings,
 )
@@ -385,13 +385,13 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
     runner.start()
     try:
         wait_until(lambda: holders(first, "redlock:cfg:held") == 5, 10, "the first run to hold its lock")
-        _, before = app_redlock(app)
+        _, before = app_settings_and_redlock(app)
         app.conf.redlock_masters = second
         app.conf.redlock_ttl = 7.5
         gate.set()  # the next run passes straight through
         other = probe.apply(("other", {"first": first, "second": second})).get(timeout=10)
         assert other["held"] == {"first": 0, "second": 3} and other["ttl"] == 7.5
-        _, after = app_redlock(app)
+        _, after = app_settings_and_redlock(app)
         assert after is not before
         runner.join(20)
         assert results and results[0].state == "SUCCESS", results
@@ -412,17 +412,17 @@ def test_a_change_of_a_policy_or_ttl_is_seen_by_the_next_run(
     app.conf.redlock_contended = "fail"
     probe = define_probe(app, holders)
     assert probe.apply(("p", {})).get(timeout=10)["ttl"] == 30.0
-    settings, redlock = app_redlock(app)
+    settings, redlock = app_settings_and_redlock(app)
     assert probe.lock_options(settings).contended == "fail"
     app.conf.redlock_contended = "skip"
     app.conf["redlock_ttl"] = 12.0
     assert probe.apply(("p", {})).get(timeout=10)["ttl"] == 12.0
-    changed, rebuilt = app_redlock(app)
+    changed, rebuilt = app_settings_and_redlock(app)
     assert probe.lock_options(changed).contended == "skip"
     assert rebuilt is not redlock  # the TTL is the Redlock's default: a new one
     app.conf.update(redlock_max_retries=4)  # a policy only: the Redlock stays
-    assert probe.lock_options(app_redlock(app)[0]).max_retries == 4
-    assert app_redlock(app)[1] is rebuilt
+    assert probe.lock_options(app_settings_and_redlock(app)[0]).max_retries == 4
+    assert app_settings_and_redlock(app)[1] is rebuilt
     del app.conf["redlock_ttl"]  # back to the default
     assert probe.apply(("p", {})).get(timeout=10)["ttl"] == 30.0
     described = [r.getMessage() for r in caplog.records if "changed after first use" in r.getMessage()]

@@ -174,7 +174,7 @@ def test_startup_checks_warn_about_weakened_locks() -> None:
         ("redlock_release_linger", -0.01, "redlock_release_linger must be >= 0"),
         ("redlock_release_linger", "20ms", "redlock_release_linger must be a number"),
         ("redlock_ttl", 0, "redlock_ttl must be > 0"),
-        ("redlock_contended", "wait", "redlock_contended must be one of"),
+        ("redlock_contended", "queue", "redlock_contended must be one of"),
     ],
 )
 def test_bad_app_settings_fail_naming_the_setting(name: str, value: object, message: str) -> None:

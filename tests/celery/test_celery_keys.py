@@ -78,7 +78,7 @@ def test_bad_option_values_name_the_task_and_option() -> None:
     app = Celery("keys-test", set_as_current=False)
     with pytest.raises(ConfigError, match=r"'kt.opt': lock_contended"):
 
-        @app.task(base=RedlockTask, lock_contended="wait", name="kt.opt", lazy=False, shared=False)
+        @app.task(base=RedlockTask, lock_contended="queue", name="kt.opt", lazy=False, shared=False)
         def opt() -> None: ...
 
 

@@ -201,10 +201,10 @@ def test_the_process_heartbeat(masters: ServerSet, rl: Redlock) -> None:
 def test_the_settings_cache_lock(masters: ServerSet, rl: Redlock) -> None:
     app = Celery("fork-test", set_as_current=False)
     app.conf.redlock_masters = masters.urls
-    _, parents = settings_module.app_redlock(app)
+    _, parents = settings_module.app_settings_and_redlock(app)
 
     def work() -> str:
-        _, own = settings_module.app_redlock(app)
+        _, own = settings_module.app_settings_and_redlock(app)
         if own is parents:
             return "the child was given its parent's Redlock"
         report = take_a_new_lock(own, "fork-settings")
