@@ -90,7 +90,7 @@ from ..errors import ConfigError
 from ..lock.heartbeat import process_heartbeat
 from ..lock.redlock import Lock, Redlock, lock_key
 from . import hooks
-from .settings import read_settings
+from .settings import read_settings, refuse_unknown_settings
 from .slots import SLOT_HEADER, intended_fire, render
 
 logger = logging.getLogger("celery_redlock.beat")
@@ -322,6 +322,7 @@ class BeatSettings:
 def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
     """A Redlock of the beat's own over the app's ``redlock_*`` settings (masters, timeouts,
     key prefix), so its connections close with the scheduler and never with a task's."""
+    refuse_unknown_settings(conf)
     settings = read_settings(conf)
     try:
         return settings.redlock(linger=False)

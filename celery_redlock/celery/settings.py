@@ -59,7 +59,7 @@ DEFAULTS: dict[str, Any] = {
     "redlock_reentrant": False,
 }
 # Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
-# package reads is known in one place, for the unknown-name warning.
+# package reads is known in one place, for the unknown-name check.
 BEAT_SETTINGS = (
     "redlock_beat_lock_name",
     "redlock_beat_lock_ttl",
@@ -225,29 +225,18 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
         if close:
             name = known[close[0]]
             meant = keys_of(name)[0] if namespaced else name
-            messages.append(
-                f"{key!r} is not a celery-redlock setting and is ignored; did you mean {meant!r}?"
-            )
+            messages.append(f"{key!r} is not a celery-redlock setting; did you mean {meant!r}?")
         else:
-            messages.append(
-                f"{key!r} is not a celery-redlock setting and is ignored (docs/settings.md lists them)"
-            )
+            messages.append(f"{key!r} is not a celery-redlock setting (docs/settings.md lists them)")
     return messages
 
 
-# Messages already logged by this process, kept across fork: a prefork child does not repeat
-# what the worker said at start.
-_warned: set[str] = set()
-
-
-def warn_unknown_settings(conf: Mapping[str, Any]) -> list[str]:
-    """Log :func:`unknown_settings` as warnings, each once per process; returns them all."""
+def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
+    """A :class:`ConfigError` naming every :func:`unknown_settings` key, if any: a misspelt
+    setting silently ignored would leave its default in force (a TTL, the masters) unnoticed."""
     messages = unknown_settings(conf)
-    for message in messages:
-        if message not in _warned:
-            _warned.add(message)
-            logger.warning("%s", message)
-    return messages
+    if messages:
+        raise ConfigError("; ".join(messages))
 
 
 class _Entry:
@@ -340,7 +329,7 @@ def app_settings_and_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
 def _build(app: Any, conf: Any, old: _Entry | None) -> _Entry:
     app_name = getattr(app, "main", app)
     conf.get("redlock_masters")  # a Celery conf still pending is loaded by its first read
-    warn_unknown_settings(conf)
+    refuse_unknown_settings(conf)
     # The snapshot is taken before the read: a write meanwhile makes the next run read again.
     entry = _Entry(conf)
     settings = read_settings(conf)

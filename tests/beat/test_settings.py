@@ -45,6 +45,7 @@ BAD = [
     ),
     ({"redlock_beat_lock_name": 42}, "redlock_beat_lock_name"),
     ({"redlock_beat_lock_name": ""}, "redlock_beat_lock_name"),
+    ({"redlock_beat_lock_tl": 3.0}, "redlock_beat_lock_tl"),  # misspelt: refused, not ignored
     # redbeat decides due entries itself: alignment would not happen while stamps assumed it.
     (
         {"redlock_beat_scheduler": "redbeat:RedBeatScheduler", "redlock_beat_align_intervals": True},
