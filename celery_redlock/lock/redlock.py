@@ -85,6 +85,8 @@ class Commands:
 
 
 PLAIN = Commands(ACQUIRE, RELEASE, EXTEND)
+# A waiting plain lock's later attempts: refusals carry the holder's remaining TTL.
+PLAIN_WAITING = Commands(script_template(scripts.ACQUIRE_WAIT, 1, 2), RELEASE, EXTEND)
 # A reentrant lock's key is a hash {token: count} (see scripts.py and reentrant.py).
 REENTRANT = Commands(
     script_template(scripts.R_ACQUIRE, 1, 2),
@@ -338,12 +340,18 @@ class Redlock:
         return votes, yes
 
     def try_acquire(
-        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
+        self,
+        key: str,
+        token: str,
+        ttl: float,
+        commands: Commands = PLAIN,
+        expiry: list[float] | None = None,
     ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
         On failure every master is sent the release on the link the acquire used, so a late
-        write is always followed by its deletion.
+        write is always followed by its deletion. ``expiry``, if given (with commands whose
+        refusals answer the key's PTTL), receives when a quorum could be free at the earliest.
         """
         acquire = commands.acquire.pack(key, token, _milliseconds(ttl))
         # Taken before the round makes any missing connection: all of the round, connects
@@ -359,6 +367,8 @@ class Redlock:
             else:
                 votes, granted = self._votes(outcomes, granted=b"OK")
             validity = ttl - elapsed - self.drift(ttl)
+            if expiry is not None:
+                expiry.append(self._free_at(outcomes, t_start + elapsed))
             if granted >= self.quorum and validity > 0:
                 if granted < len(votes):
                     # A master that answered late may still set the key; retract it on the same
@@ -375,6 +385,22 @@ class Redlock:
             if any(retract):
                 rnd.send(retract, self.request_timeout)
         return min(validity, 0.0), votes, elapsed
+
+    def _free_at(self, outcomes: Sequence[Outcome], t_end: float) -> float:
+        """When a quorum of masters could have let the key expire, at the earliest: a master
+        that granted counts as free now (its grant is retracted), one that answered a PTTL
+        as free by then (it ran the script before ``t_end``), any other never."""
+        remaining = []
+        for outcome in outcomes:
+            value = outcome.value if outcome.kind == "ok" else None
+            if value == b"OK":
+                remaining.append(0.0)
+            elif isinstance(value, int) and value >= 0:
+                remaining.append(value / 1000)
+            else:  # an error, a timeout, or a key with no TTL (-1)
+                remaining.append(math.inf)
+        remaining.sort()
+        return t_end + remaining[self.quorum - 1] + 0.001
 
     def try_extend(
         self, key: str, token: str, ttl: float, commands: Commands = PLAIN
@@ -580,8 +606,10 @@ class Lock:
     own, which waits for the parent's release like any other contender.
     """
 
-    # What this kind of lock sends (a subclass may send others: see reentrant.py).
+    # What this kind of lock sends (a subclass may send others: see reentrant.py); and what its
+    # attempts send while it waits (refusals then answer the holder's PTTL).
     _commands: Commands = PLAIN
+    _waiting_commands: Commands = PLAIN_WAITING
 
     def __init__(
         self,
@@ -703,6 +731,7 @@ class Lock:
         mutex = self._mutex()
         # Set once this call waits in a room of the Redlock's subscriber (see _wait).
         waiter: Waiter | None = None
+        expiry: list[float] = []  # when a waiting attempt found a quorum could be free
         try:
             while True:
                 attempts += 1
@@ -712,7 +741,15 @@ class Lock:
                 token = os.urandom(20).hex() + self._holder_suffix
                 with mutex:
                     started = now()
-                    validity, votes, elapsed = redlock.try_acquire(self.key, token, self.ttl, self._commands)
+                    if waiter is None:
+                        validity, votes, elapsed = redlock.try_acquire(
+                            self.key, token, self.ttl, self._commands
+                        )
+                    else:
+                        expiry.clear()
+                        validity, votes, elapsed = redlock.try_acquire(
+                            self.key, token, self.ttl, self._waiting_commands, expiry
+                        )
                     self.last_votes = votes
                     if validity > 0:
                         # Anchored before the round, never when its result is looked at: a
@@ -755,14 +792,19 @@ class Lock:
                     waiter = redlock._subscriber.join(
                         self.key, min(deadline, now() + redlock.request_timeout)
                     )
-                elif not self._wait(waiter, votes, deadline, cancelled):
+                elif not self._wait(waiter, votes, deadline, expiry[0] if expiry else math.inf, cancelled):
                     return False
         finally:
             if waiter is not None:
                 redlock._subscriber.leave(self.key, waiter)
 
     def _wait(
-        self, waiter: Waiter, votes: list[Vote], deadline: float, cancelled: Callable[[], bool] | None
+        self,
+        waiter: Waiter,
+        votes: list[Vote],
+        deadline: float,
+        free_at: float,
+        cancelled: Callable[[], bool] | None,
     ) -> bool:
         """Sleep after a refused attempt until a release may have freed a quorum; False when
         ``cancelled`` said so.
@@ -779,7 +821,8 @@ class Lock:
         refusers = frozenset(i for i, vote in enumerate(votes) if vote.kind == "held")
         needed = max(1, redlock.quorum - yes)
         t = now()
-        until = min(deadline, t + random.uniform(0.5, 1.0) * redlock.wait_poll)
+        # Also woken when the holder's lock runs out on a quorum (an abandoned lock expires).
+        until = min(deadline, free_at, t + random.uniform(0.5, 1.0) * redlock.wait_poll)
         deaf_until = t + random.uniform(0, redlock.retry_delay)
         woken = redlock._subscriber.sleep(self.key, waiter, refusers, needed, until, deaf_until, cancelled)
         if woken == "cancelled":

@@ -49,6 +49,7 @@ class _Inner(Lock):
     """One owner's acquisition of a reentrant lock: a Lock sending the reentrant scripts."""
 
     _commands = REENTRANT
+    _waiting_commands = REENTRANT  # R_ACQUIRE answers a held key with its PTTL already
 
     def _refused(self, votes: list[Vote]) -> None:
         _raise_on_kind(self.name, votes)

@@ -22,6 +22,22 @@ class Script:
 # attempt). A fenced acquire would replace that one command, built in Redlock.try_acquire, with a
 # script returning {granted, counter}: still one command per master, still one round trip.
 
+# ACQUIRE_WAIT (a waiting acquirer's later attempts; the first stays a plain SET, see above)
+#   KEYS[1]  the lock key
+#   ARGV[1]  the token
+#   ARGV[2]  the ttl in milliseconds
+#   returns  +OK if the key was set (as SET NX PX answers), else the key's PTTL: when the holder's
+#            lock runs out, so the waiter can wake then instead of a fallback poll later
+ACQUIRE_WAIT = Script(
+    "acquire_wait",
+    """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return redis.status_reply('OK')
+end
+return redis.call('PTTL', KEYS[1])
+""",
+)
+
 # RELEASE (compare-and-delete, then tell the waiters)
 #   KEYS[1]  the lock key; also the channel the deletion is published on
 #   ARGV[1]  the token that must hold it

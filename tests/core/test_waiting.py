@@ -345,3 +345,21 @@ def test_waiters_never_overlap(masters: ServerSet) -> None:
     assert not overlaps
     assert len(done) == 80
     assert took < 20, took
+
+
+def test_woken_when_an_abandoned_lock_expires(masters: ServerSet) -> None:
+    """The holder never releases (a process killed hard): the waiter wakes when the holder's TTL
+    runs out on a quorum, which its refused attempts told it (PTTL), not at its fallback poll (5 s
+    here) nor by polling (retry_delay 10 s)."""
+    with (
+        Redlock(masters.urls, request_timeout=0.5) as holder,
+        Redlock(masters.urls, retry_delay=10, request_timeout=0.5, wait_poll=5.0) as waiter,
+    ):
+        abandoned = holder.lock("abandoned", ttl=1.0)
+        assert abandoned.acquire(blocking=False)
+        taken_at = time.monotonic()
+        lock = waiter.lock("abandoned", ttl=10)
+        assert lock.acquire(timeout=8)
+        took = time.monotonic() - taken_at
+        assert 0.9 < took < 1.0 + 0.3, took  # the TTL, plus a round and slack for load
+        lock.release(linger=False)
