@@ -4,7 +4,9 @@ Run as a thread (``run_client(config)``) or as its own process
 (``python -m <package>.client '<json config>'``), which the client-pause nemesis can SIGSTOP.
 
 Each attempt is one round (``acquire(blocking=False)``), so every failure is counted with its
-reason. Inside a hold the client checks ``ensure()`` before it reads and again before it writes;
+reason; a ``waiting`` client instead blocks in ``acquire(timeout=ttl)``, woken by releases, and a
+``reentrant`` client takes a reentrant lock and enters it again once or twice before it writes.
+Inside a hold the client checks ``ensure()`` before it reads and again before it writes;
 sometimes it extends the lock, and sometimes it walks away without releasing (as a crashed
 holder would), which makes holds end at their validity and exercises the TTL boundary.
 Every hold is recorded with ``time.monotonic()``, one clock for the whole machine.
@@ -23,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery_redlock import LockLost, LockNotAcquired, Redlock
+from celery_redlock.lock.owner import open_scope
 
 from .register import EVENTS, Register
 
@@ -71,6 +74,12 @@ def failure_reason(error: LockNotAcquired | None) -> str:
 PAUSE_MARGIN_TTLS = 4
 
 
+def _votes(lock: Any) -> list[Any]:
+    """The votes of the acquisition (a reentrant lock's are its holding's)."""
+    holding = lock.holding() if hasattr(lock, "holding") else lock
+    return list(holding.last_votes) if holding is not None else []
+
+
 def run_client(config: ClientConfig) -> None:
     rng = random.Random(config.seed)
     register = Register(config.register)
@@ -85,8 +94,22 @@ def run_client(config: ClientConfig) -> None:
     ) as redlock:
         while time.monotonic() < config.until:
             resource = rng.choice(config.resources)
-            lock = redlock.lock(resource)
-            if not lock.acquire(blocking=False):
+            mode = config.extra.get("mode", "plain")
+            if mode == "reentrant":
+                # Each hold is one owner (as each Celery execution is): a hold abandoned below
+                # stands for a crashed one, and must not be re-entered by the next iteration.
+                open_scope()
+            lock: Any = redlock.lock(resource, reentrant=mode == "reentrant")
+            got = lock.acquire(timeout=config.ttl) if mode == "waiting" else lock.acquire(blocking=False)
+            depth = 1
+            if got and mode == "reentrant":
+                try:
+                    for _ in range(rng.randint(1, 2)):  # the owner enters again: never blocks
+                        lock.acquire(blocking=False)
+                        depth += 1
+                except LockLost:
+                    pass  # held no longer: the ensure() below records it
+            if not got:
                 failures[failure_reason(lock.last_error)] += 1
                 time.sleep(rng.uniform(0, config.backoff))  # pacing, not synchronisation
                 continue
@@ -101,8 +124,8 @@ def run_client(config: ClientConfig) -> None:
                 "t_acquired": t_acquired,
                 "validity_end": validity_end,
                 "t_released": None,
-                "yes": sum(1 for v in lock.last_votes if v.kind == "yes"),
-                "masters": len(lock.last_votes),
+                "yes": sum(1 for v in _votes(lock) if v.kind == "yes"),
+                "masters": len(_votes(lock)),
                 "quorum": redlock.quorum,
                 "wrote": False,
                 "lost": "",
@@ -132,7 +155,8 @@ def run_client(config: ClientConfig) -> None:
                 # The holder is done once it starts releasing: another client may get the
                 # lock before release() returns.
                 record["t_released"] = time.monotonic()
-                lock.release()
+                for _ in range(depth):  # a reentrant lock is freed by its last exit
+                    lock.release()
             register.record(record)
     register.record({"kind": "summary", "client": config.name, "holds": holds, "failures": dict(failures)})
     register.close()

@@ -75,6 +75,23 @@ class Nemesis:
         for index in victims:
             self.cluster.masters[index].resume()
 
+    def kill_pubsub(self, victims: Sequence[int]) -> None:
+        """Drop every pub/sub connection of the victims (``CLIENT KILL TYPE pubsub``): waiters
+        lose the notices in flight and must resubscribe."""
+        for index in victims:
+            server = self.cluster.masters[index]
+            if not server.running or server.paused:
+                continue
+            client = server.client(socket_timeout=2)
+            try:
+                client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+            except Exception:  # a master the nemesis itself stopped a moment ago
+                pass
+            finally:
+                client.close()
+        self.note("kill pubsub connections", f"masters {list(victims)}")
+        self.stop.wait(self.ttl * 0.5)
+
     # -- network ------------------------------------------------------------------------------------
     def partition(self, victims: Sequence[int]) -> None:
         """For each client group, its own faults on the victims' proxies (drop, delay, black-hole

@@ -58,6 +58,7 @@ class Scenario:
     extend: float = 0.2
     limit: str = ""  # for a violation: the known limit and the operator rule that avoids it
     celery_workers: int = 0  # > 0: the workload is RedlockTask runs in real prefork workers
+    client_mode: str = "plain"  # plain, waiting or reentrant (see client.py)
 
 
 SCENARIOS: list[Scenario] = [
@@ -164,6 +165,25 @@ SCENARIOS: list[Scenario] = [
         hold=(0.3, 0.7),
         abandon=0.0,
         available=False,
+    ),
+    Scenario(
+        "waiting",
+        "clients block in acquire(timeout), woken by releases: masters killed and paused, "
+        "their pub/sub connections dropped, a holder process SIGSTOPped",
+        faults=["kill_delayed", "pause_master", "kill_pubsub", "client_pause"],
+        client_mode="waiting",
+        threads=2,
+        processes=2,
+        resources=1,
+    ),
+    Scenario(
+        "reentrant",
+        "reentrant clients entering 2-3 deep: masters killed and paused, a holder SIGSTOPped",
+        faults=["kill_delayed", "pause_master", "client_pause"],
+        client_mode="reentrant",
+        threads=2,
+        processes=2,
+        resources=1,
     ),
     Scenario(
         "celery",
@@ -305,6 +325,7 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                             extend=scenario.extend,
                             key_prefix=key_prefix,
                             pausable=kind == "p",
+                            extra={"mode": scenario.client_mode},
                         )
                     )
         processes: dict[str, subprocess.Popen[bytes]] = {}
