@@ -11,6 +11,7 @@ its lock expires under it: the tests show both, as docs/pools.md says.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -142,6 +143,25 @@ def test_locked_tasks_run_and_duplicates_never_overlap(lockapp: Any, pool: Pool,
     together = [Hold("distinct keys", r["start"], r["end"]) for r in intervals if r["key"] in distinct]
     assert find_overlaps(together), together
     assert all(r["retries"] == 0 for r in intervals)
+    _no_errors_logged(workers)
+
+
+@pytest.mark.timeout(90)
+def test_wait_mode_duplicates_are_woken_by_the_release(lockapp: Any, pool: Pool, tag: str) -> None:
+    """lock_contended="wait" under a green pool: 8 green threads per worker wait on one name,
+    the subscriber thread is a green thread too, and each waiter is woken by a release (the
+    task's fallback retry backoff is 5 s, so a run that fell back would show)."""
+    _, queue, workers = pool
+    results = [lockapp.hold_or_wait.apply_async((tag, 0.1, tag), queue=queue) for _ in range(10)]
+    for result in results:
+        result.get(timeout=60)
+    intervals = sorted(records(lockapp, tag), key=lambda r: r["start"])
+    assert len(intervals) == 10
+    assert find_overlaps(holds(intervals)) == []
+    assert all(r["owned"] for r in intervals)
+    assert [r["attempt"] for r in intervals] == [0] * 10
+    gaps = sorted(b["start"] - a["end"] for a, b in itertools.pairwise(intervals))
+    assert gaps[len(gaps) // 2] < 0.25, gaps
     _no_errors_logged(workers)
 
 
