@@ -449,7 +449,11 @@ class RedlockTaskMixin:
         running body would)."""
         timeout = options.wait_timeout
         soft = getattr(self.request, "timelimit", None)
-        soft_limit = (soft[1] if soft and len(soft) > 1 else None) or getattr(self, "soft_time_limit", None)
+        soft_limit = (
+            (soft[1] if soft and len(soft) > 1 else None)
+            or getattr(self, "soft_time_limit", None)
+            or self.app.conf.task_soft_time_limit  # the pool's default, app-wide
+        )
         if soft_limit:
             timeout = min(timeout, max(0.0, float(soft_limit) - lock.redlock.request_timeout))
         from celery.worker import state as worker_state  # the worker's own, in this process

@@ -579,6 +579,18 @@ def _close_quietly(
         logger.warning("closing a dropped Redlock failed", exc_info=True)
 
 
+def _nap(until: float, cancelled: Callable[[], bool] | None) -> bool:
+    """Sleep until ``until`` (on :func:`.clock.now`), asking ``cancelled`` at least every 0.5 s;
+    False if it said to stop."""
+    while True:
+        remaining = until - now()
+        if remaining <= 0:
+            return True
+        time.sleep(min(remaining, 0.5))
+        if cancelled is not None and cancelled():
+            return False
+
+
 # A Lock's mutex is replaced in a forked child on its first use there (see Lock._mutex); this one
 # orders two threads of the child that get there at once. It is itself replaced after fork.
 _inherited_mutex = threading.Lock()
@@ -785,7 +797,8 @@ class Lock:
                 if deadline - now() <= 0 or (cancelled is not None and cancelled()):
                     return False
                 if redlock.wait == "poll":
-                    time.sleep(min(random.uniform(0, redlock.retry_delay), max(0.0, deadline - now())))
+                    if not _nap(min(deadline, now() + random.uniform(0, redlock.retry_delay)), cancelled):
+                        return False
                 elif waiter is None:
                     # The first refusal: join the key's room, then try again at once (the holder
                     # may have released while we subscribed; its notice would predate our mark).
@@ -828,8 +841,10 @@ class Lock:
         if woken == "cancelled":
             return False
         if woken == "notice" and yes:
-            # After a split vote, the losers spread their next tries as polling does.
-            time.sleep(min(random.uniform(0, redlock.retry_delay), max(0.0, deadline - now())))
+            # After a split vote, the losers spread their next tries as polling does, but never
+            # past the bound a waiter keeps (wait_poll) nor unasked whether to go on.
+            spread = random.uniform(0, min(redlock.retry_delay, redlock.wait_poll / 2))
+            return _nap(min(deadline, now() + spread), cancelled)
         return True
 
     def _refused(self, votes: list[Vote]) -> None:

@@ -53,6 +53,8 @@ IDLE_EXIT = 60.0
 # (a blackholed connection looks idle for ever otherwise).
 PING_EVERY = 5.0
 PONG_WITHIN = 1.0
+# A master that refused SUBSCRIBE is asked again this much later (its ACL may change).
+SILENT_RETRY = 60.0
 # A listening link that failed is reconnected after a backoff doubling within these bounds.
 BACKOFF_FLOOR = 0.05
 BACKOFF_CAP = 1.0
@@ -186,16 +188,21 @@ class Subscriber:
             waiter.refusers = refusers
             if len(refusers & waiter.confirmed) < needed:
                 until = min(until, deaf_until)
-            while True:
+        while True:
+            with self._cond:
                 if len(waiter.credits & refusers) >= needed:
                     return "notice"
-                if cancelled is not None and cancelled():
-                    return "cancelled"
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     return "time"
                 # Slices of at most 0.5 s, so a cancellation is seen soon.
                 self._cond.wait(min(remaining, 0.5))
+                if len(waiter.credits & refusers) >= needed:
+                    return "notice"
+            # Asked without the condition held: the callable is the caller's, and may take locks
+            # of its own (a thread holding one of those may be joining a room meanwhile).
+            if cancelled is not None and cancelled():
+                return "cancelled"
 
     def leave(self, key: str, waiter: Waiter) -> None:
         with self._cond:
@@ -400,9 +407,16 @@ class Subscriber:
 
     def _dispatch(self, listener: _Listener, push: Any) -> None:
         """One push from ``listener``'s master (call holding the condition)."""
+        if push == b"PONG":  # a link with nothing subscribed answers PING as any connection does
+            listener.ping_sent = 0.0
+            return
         if not isinstance(push, list) or not push:
             if isinstance(push, wire.ReplyError):
+                # NOPERM (an ACL without SUBSCRIBE), say: this master stays silent, its waiters
+                # poll as without it, and no join waits for its confirmation meanwhile.
                 listener.master.refused("refused SUBSCRIBE on a listening link", push)
+                self._fail(listener, ConnectionError(str(push)))
+                listener.retry_at = time.monotonic() + SILENT_RETRY
             return
         kind = push[0]
         i = listener.index
