@@ -28,7 +28,7 @@ _EXPORTS = {
     "NotLocked": "celery_redlock.errors",
     "RedlockError": "celery_redlock.errors",
     "Vote": "celery_redlock.errors",
-    "Lock": "celery_redlock.lock.redlock",
+    "Lock": "celery_redlock.lock.resource",
     "Redlock": "celery_redlock.lock.redlock",
     "RedlockWarning": "celery_redlock.lock.redlock",
     "process_heartbeat": "celery_redlock.lock.heartbeat",
@@ -73,8 +73,9 @@ if TYPE_CHECKING:
         Vote,
     )
     from .lock.heartbeat import process_heartbeat
-    from .lock.redlock import Lock, Redlock, RedlockWarning
+    from .lock.redlock import Redlock, RedlockWarning
     from .lock.reentrant import ReentrantLock
+    from .lock.resource import Lock
 
 
 def __getattr__(name: str) -> Any:

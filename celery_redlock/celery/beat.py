@@ -88,7 +88,8 @@ from .._fork import on_fork_in_child
 from .._validate import choice, flag, instant, number
 from ..errors import ConfigError
 from ..lock.heartbeat import process_heartbeat
-from ..lock.redlock import Lock, Redlock, lock_key
+from ..lock.redlock import Redlock
+from ..lock.resource import Lock, lock_key
 from . import hooks
 from .settings import read_settings, refuse_unknown_settings
 from .slots import SLOT_HEADER, intended_fire, render

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from ..lock.redlock import lock_key
+from ..lock.resource import lock_key
 from .beat import BeatSettings, leader_redlock, read_leader
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from .._fork import on_fork_in_child
 from ..lock.heartbeat import process_heartbeat
-from ..lock.redlock import Lock
+from ..lock.resource import Lock
 
 logger = logging.getLogger("celery_redlock.task")
 

@@ -42,8 +42,8 @@ from .._validate import choice, count, flag, number
 from ..errors import ConfigError, LockNotAcquired, NotLocked
 from ..lock.heartbeat import process_heartbeat
 from ..lock.owner import close_scope, open_scope
-from ..lock.redlock import Lock
 from ..lock.reentrant import ReentrantLock, forget_holding
+from ..lock.resource import Lock
 from . import held as registry
 from . import hooks, signals
 from .held import Held

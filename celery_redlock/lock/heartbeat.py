@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from .._fork import on_fork_in_child
 from .._validate import number
 from .clock import now
-from .redlock import Lock, Redlock
+from .redlock import Redlock
 from .reentrant import ReentrantLock
+from .resource import Lock
 
 logger = logging.getLogger("celery_redlock.heartbeat")
 

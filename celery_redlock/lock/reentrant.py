@@ -31,17 +31,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from .._fork import on_fork_in_child
 from ..errors import LockKindMismatch, LockLost, LockNotAcquired, Vote
 from .clock import now
-from .masters import script_template
+from .commands import ENTER, EXIT, REENTRANT, milliseconds
 from .owner import current_owner
-from .redlock import REENTRANT, Lock, Redlock, _milliseconds
-from .scripts import R_ENTER, R_EXIT
+from .resource import Lock
 
-ENTER = script_template(R_ENTER, 1, 2)  # key token <ms>
-EXIT = script_template(R_EXIT, 1, 1)  # key token
+if TYPE_CHECKING:
+    from .redlock import Redlock
+
 _KIND = "REDLOCK_KIND"
 
 
@@ -182,7 +183,7 @@ class ReentrantLock:
             token = inner._extendable()
             if token is None:
                 raise LockLost(self.name, inner.lost_reason or "validity ran out before the re-entry")
-            command = ENTER.pack(self.key, token, _milliseconds(inner.ttl))
+            command = ENTER.pack(self.key, token, milliseconds(inner.ttl))
             started = now()
             with redlock._round() as rnd:
                 outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_redlock import ConfigError, Redlock, RedlockWarning
-from celery_redlock.lock.redlock import MAX_NAME_LENGTH
+from celery_redlock.lock.resource import MAX_NAME_LENGTH
 from celery_redlock.testing import RedisServer, ServerSet, free_port
 
 

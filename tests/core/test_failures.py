@@ -7,8 +7,8 @@ import time
 import pytest
 
 from celery_redlock import LockNotAcquired, Redlock, Vote
+from celery_redlock.lock.commands import PLAIN, Commands
 from celery_redlock.lock.masters import BACKOFF_CAP
-from celery_redlock.lock.redlock import PLAIN, Commands
 from celery_redlock.testing import ServerSet
 
 from .conftest import keys_on

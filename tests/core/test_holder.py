@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_redlock import ConfigError, Redlock
-from celery_redlock.lock.redlock import HOLDER_SEPARATOR
+from celery_redlock.lock.resource import HOLDER_SEPARATOR
 from celery_redlock.testing import ServerSet
 
 

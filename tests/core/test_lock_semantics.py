@@ -37,7 +37,7 @@ import pytest
 
 import celery_redlock
 from celery_redlock import ConfigError, Lock, LockLost, Redlock
-from celery_redlock.lock.redlock import PLAIN, Commands
+from celery_redlock.lock.commands import PLAIN, Commands
 from celery_redlock.testing import ProxySet, ServerSet
 
 from .conftest import values_on, wait_for

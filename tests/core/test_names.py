@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_redlock.celery.keys import compile_lock_key, render_value
-from celery_redlock.lock.redlock import MAX_NAME_LENGTH, lock_key
+from celery_redlock.lock.resource import MAX_NAME_LENGTH, lock_key
 
 names = st.text(min_size=1, max_size=3000)
 

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.lock.redlock import Lock
+from celery_redlock.lock.resource import Lock
 from celery_redlock.testing import ProxySet, ServerSet
 
 from .conftest import keys_on, wait_for

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from celery_redlock import Redlock
-from celery_redlock.lock.redlock import PLAIN, Commands
+from celery_redlock.lock.commands import PLAIN, Commands
 from celery_redlock.testing import ProxySet, ServerSet
 
 TTL = 0.25

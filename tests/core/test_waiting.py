@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from celery_redlock import ConfigError, Redlock
-from celery_redlock.lock.redlock import Lock
+from celery_redlock.lock.resource import Lock
 from celery_redlock.testing import ServerSet
 
 from .conftest import wait_for
