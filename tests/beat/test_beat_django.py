@@ -271,7 +271,7 @@ def _periodic_task(name: str, key: str) -> Any:
     )
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_django_takeover_tick_whose_write_crosses_a_boundary_keeps_its_own_slot_stamp(
     django_beats: Beats,
     records: Records,
@@ -307,7 +307,7 @@ def test_django_takeover_tick_whose_write_crosses_a_boundary_keeps_its_own_slot_
     leader = leader_pid(redlock, django_beats)
     try:
         for _attempt in range(8):
-            wait_sends(records, leader, 1, timeout=10)
+            wait_sends(records, leader, 1, timeout=25)
             holder = psycopg.connect(
                 host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=pg_database, connect_timeout=5
             )

@@ -12,6 +12,8 @@ Invariants attacked:
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -70,9 +72,12 @@ def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: P
     holder = lockapp.hold.apply_async((tag, 2.0, f"{tag}-holder"), queue=queue)
     wait_until(lambda: records(lockapp, f"{tag}-holder"), 20, "the holder to start")
     waiter = lockapp.hold_or_wait.apply_async((tag, 0.1, tag), queue=queue)
-    wait_until(lambda: _active(lockapp, waiter.id), 10, "the waiter to run")
+    # Control commands from a process of their own: Celery's control in this process leaves
+    # broker state behind that hangs the children later tests fork here (tests/core's fork tests).
+    broker = lockapp.app.conf.broker_url
+    wait_until(lambda: _control(broker, "active", waiter.id) == "yes", 20, "the waiter to run")
     revoked_at = time.monotonic()
-    lockapp.app.control.revoke(waiter.id, terminate=name == "prefork")
+    _control(broker, "revoke-terminate" if name == "prefork" else "revoke", waiter.id)
     with pytest.raises(TaskRevokedError):
         waiter.get(timeout=20)
     # Ended while the holder still held (it holds for 2 s): the wait itself was cut short.
@@ -86,6 +91,24 @@ def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: P
     assert [r["attempt"] for r in records(lockapp, f"{tag}-later")] == [0]
 
 
-def _active(lockapp: Any, task_id: str) -> bool:
-    active = lockapp.app.control.inspect(timeout=1.0).active() or {}
-    return any(task.get("id") == task_id for tasks in active.values() for task in tasks)
+_CONTROL = """
+import sys
+from celery import Celery
+
+app = Celery("wait-control", broker=sys.argv[1], set_as_current=False)
+what, task_id = sys.argv[2], sys.argv[3]
+if what == "active":
+    active = app.control.inspect(timeout=1.0).active() or {}
+    print("yes" if any(t.get("id") == task_id for ts in active.values() for t in ts) else "no")
+else:
+    app.control.revoke(task_id, terminate=what == "revoke-terminate")
+    print("sent")
+"""
+
+
+def _control(broker: str, what: str, task_id: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _CONTROL, broker, what, task_id], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
