@@ -34,6 +34,7 @@ from .._validate import choice, count, number
 from ..errors import ConfigError, Vote
 from .clock import now
 from .commands import PLAIN, Commands, milliseconds
+from .fair import FairLock
 from .linger import Lingering
 from .masters import (
     GRANTED,
@@ -186,6 +187,7 @@ class Redlock:
         blocking: bool = True,
         holder: str = "",
         reentrant: Literal[False] = False,
+        fair: bool = False,
     ) -> Lock: ...
 
     @overload
@@ -198,6 +200,7 @@ class Redlock:
         blocking: bool = True,
         holder: str = "",
         reentrant: Literal[True],
+        fair: Literal[False] = False,
     ) -> ReentrantLock: ...
 
     def lock(
@@ -209,6 +212,7 @@ class Redlock:
         blocking: bool = True,
         holder: str = "",
         reentrant: bool = False,
+        fair: bool = False,
     ) -> Lock | ReentrantLock:
         """A :class:`Lock` for one resource. Nothing is sent until it is acquired.
 
@@ -219,7 +223,17 @@ class Redlock:
         execution context holding it (its thread, asyncio task or Celery task execution) may
         acquire again without blocking. A name is used reentrant everywhere or nowhere: the
         masters hold the two kinds in different forms (:class:`LockKindMismatch` otherwise).
+
+        ``fair=True``: a :class:`~celery_redlock.lock.fair.FairLock`, whose waiters queue on the
+        masters and take the lock in arrival order, each woken alone by the release before it.
+        Not combined with ``reentrant``.
         """
+        if fair is not False and fair is not True:
+            raise ConfigError(f"fair must be True or False, got {fair!r}")
+        if fair:
+            if reentrant is not False:
+                raise ConfigError("fair=True cannot be combined with reentrant=True")
+            return FairLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
         if reentrant is True:
             return ReentrantLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
         if reentrant is not False:
@@ -290,19 +304,29 @@ class Redlock:
         ttl: float,
         commands: Commands = PLAIN,
         expiry: list[float] | None = None,
+        *,
+        acquires: Sequence[Command] | None = None,
+        retraction: Command | None = None,
+        seen: list[Outcome] | None = None,
     ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
         On failure every master is sent the release on the link the acquire used, so a late
         write is always followed by its deletion. ``expiry``, if given (with commands whose
-        refusals answer the key's PTTL), receives when a quorum could be free at the earliest.
+        refusals answer the key's PTTL, first if a list), receives when a quorum could be free
+        at the earliest.
+
+        A kind of lock that sends more than (key, token, ttl) packs its own commands: one per
+        master in ``acquires`` and the ``retraction`` of a failed attempt; ``seen`` receives
+        every master's outcome (fair.py reads its queue from them).
         """
-        acquire = commands.acquire.pack(key, token, milliseconds(ttl))
         # Taken before the round makes any missing connection: all of the round, connects
         # included, is spent out of the TTL (and Lock counts its validity from earlier still).
         t_start = now()
+        if acquires is None:
+            acquires = [commands.acquire.pack(key, token, milliseconds(ttl))] * len(self.masters)
         with self._round() as rnd:
-            outcomes = rnd.call([acquire] * len(self.masters), self.request_timeout)
+            outcomes = rnd.call(acquires, self.request_timeout)
             elapsed = now() - t_start
             if outcomes.count(GRANTED) == len(outcomes):  # the usual rounds: compared by identity
                 votes, granted = list(self._granted_votes), len(outcomes)
@@ -313,16 +337,18 @@ class Redlock:
             validity = ttl - elapsed - self.drift(ttl)
             if expiry is not None:
                 expiry.append(self._free_at(outcomes, t_start + elapsed))
+            if seen is not None:
+                seen.extend(outcomes)
             if granted >= self.quorum and validity > 0:
                 if granted < len(votes):
                     # A master that answered late may still set the key; retract it on the same
                     # link (not waited for) so the key cannot outlive our release.
-                    release = commands.release.pack(key, token)
+                    release = retraction or commands.release.pack(key, token)
                     late = [release if v.kind == "timeout" else None for v in votes]
                     if any(late):
                         rnd.send(late, self.request_timeout)
                 return validity, votes, elapsed
-            release = commands.release.pack(key, token)
+            release = retraction or commands.release.pack(key, token)
             # A master that answered "held" refused our SET: nothing of ours is there to delete.
             # Every other one (yes, error, timeout) may hold our token and gets the release.
             retract = [None if v.kind == "held" else release for v in votes]
@@ -337,6 +363,8 @@ class Redlock:
         remaining = []
         for outcome in outcomes:
             value = outcome.value if outcome.kind == "ok" else None
+            if isinstance(value, list) and value:
+                value = value[0]  # a fair lock's refusal: [pttl, ...]
             if value == b"OK":
                 remaining.append(0.0)
             elif isinstance(value, int) and value >= 0:
@@ -413,15 +441,25 @@ class Redlock:
                 lock.extended(lock.ttl)
         return [extended.get(id(lock), False) for lock in locks]
 
-    def release_key(self, key: str, token: str, *, linger: bool = True, commands: Commands = PLAIN) -> None:
+    def release_key(
+        self,
+        key: str,
+        token: str,
+        *,
+        linger: bool = True,
+        commands: Commands = PLAIN,
+        command: Command | None = None,
+    ) -> None:
         """Send the compare-and-delete to every master, without waiting for the replies.
 
         Each master applies it as it arrives, before anything this process sends it later on
         that connection; the acknowledgements are read by the connection's next use. Waiting
         would only tell us what expiry makes true anyway, at the price of a round trip. With
         ``release_linger`` set (and ``linger``), it waits to travel with the next round.
+        ``command``, if given, is sent instead of ``commands``' release (a fair lock's).
         """
-        command = commands.release.pack(key, token)
+        if command is None:
+            command = commands.release.pack(key, token)
         if linger and self._lingering is not None:
             self._lingering.add(command)
             return

@@ -34,16 +34,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .._fork import on_fork_in_child
-from ..errors import LockKindMismatch, LockLost, LockNotAcquired, Vote
+from ..errors import LockLost, LockNotAcquired, Vote
 from .clock import now
 from .commands import ENTER, EXIT, REENTRANT, milliseconds
 from .owner import current_owner
-from .resource import Lock
+from .resource import Lock, raise_on_kind
 
 if TYPE_CHECKING:
     from .redlock import Redlock
-
-_KIND = "REDLOCK_KIND"
 
 
 class _Inner(Lock):
@@ -51,18 +49,6 @@ class _Inner(Lock):
 
     _commands = REENTRANT
     _waiting_commands = REENTRANT  # R_ACQUIRE answers a held key with its PTTL already
-
-    def _refused(self, votes: list[Vote]) -> None:
-        _raise_on_kind(self.name, votes)
-
-
-def _raise_on_kind(name: str, votes: list[Vote]) -> None:
-    mixed = [vote.master for vote in votes if vote.kind == "error" and _KIND in vote.detail]
-    if mixed:
-        raise LockKindMismatch(
-            f"lock {name!r} is held as a plain lock on {', '.join(mixed)}; a name must be used either "
-            "reentrant=True everywhere or nowhere"
-        )
 
 
 @dataclass
@@ -198,7 +184,7 @@ class ReentrantLock:
                     votes.append(Vote(master.name, "held"))
                 else:
                     votes.append(Vote(master.name, outcome.kind, outcome.detail))
-            _raise_on_kind(self.name, votes)
+            raise_on_kind(self.name, votes)
             validity = inner.ttl - elapsed - redlock.drift(inner.ttl) if yes >= redlock.quorum else 0.0
             inner._settle_extension(token, started, inner.ttl, validity, votes)
             if inner.lost_reason or not inner.owned():

@@ -20,11 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from .._fork import on_fork_in_child, pid
 from .._validate import wait_timeout
-from ..errors import ConfigError, LockLost, LockNotAcquired, RedlockError, Vote
+from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, RedlockError, Vote
 from .clock import now
 from .commands import PLAIN, PLAIN_WAITING, Commands
 
 if TYPE_CHECKING:
+    from .fair import Entry
+    from .masters import Command
     from .redlock import Redlock
     from .subscriber import Waiter
 
@@ -47,6 +49,22 @@ def lock_key(prefix: str, name: object) -> str:
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
         name = f"{name[:64]}~sha256:{digest}"
     return prefix + name
+
+
+# The prefix of the error a script answers when a name is held as another kind of lock.
+KIND_ERROR = "REDLOCK_KIND"
+
+
+def raise_on_kind(name: str, votes: list[Vote]) -> None:
+    """Raise :class:`LockKindMismatch` if any master said ``name`` is held as another kind of
+    lock: reentrant locks are hashes on the masters, plain and fair locks strings."""
+    for vote in votes:
+        if vote.kind == "error" and KIND_ERROR in vote.detail:
+            mixed = [v.master for v in votes if v.kind == "error" and KIND_ERROR in v.detail]
+            raise LockKindMismatch(
+                f"lock {name!r}: {vote.detail.partition(KIND_ERROR)[2].strip()} on {', '.join(mixed)}; "
+                "a name must be used either reentrant=True everywhere or nowhere"
+            )
 
 
 def _nap(until: float, cancelled: Callable[[], bool] | None) -> bool:
@@ -122,6 +140,7 @@ class Lock:
         self._op = threading.Lock()
         self._op_pid = pid()  # the process _op was made in
         self.last_votes: list[Vote] = []
+        self.last_attempts = 0  # how many attempts the latest acquire made
         self._failure: tuple[Any, ...] | None = None
         self._last_error: LockNotAcquired | None = None
 
@@ -214,6 +233,8 @@ class Lock:
         # Set once this call waits in a room of the Redlock's subscriber (see _wait).
         waiter: Waiter | None = None
         expiry: list[float] = []  # when a waiting attempt found a quorum could be free
+        entry = self._entry()  # this call's place in a queue (fair.py); None for a plain lock
+        acquired = False
         try:
             while True:
                 attempts += 1
@@ -223,15 +244,7 @@ class Lock:
                 token = os.urandom(20).hex() + self._holder_suffix
                 with mutex:
                     started = now()
-                    if waiter is None:
-                        validity, votes, elapsed = redlock.try_acquire(
-                            self.key, token, self.ttl, self._commands
-                        )
-                    else:
-                        expiry.clear()
-                        validity, votes, elapsed = redlock.try_acquire(
-                            self.key, token, self.ttl, self._waiting_commands, expiry
-                        )
+                    validity, votes, elapsed = self._attempt(token, waiter is not None, expiry, entry)
                     self.last_votes = votes
                     if validity > 0:
                         # Anchored before the round, never when its result is looked at: a
@@ -246,16 +259,23 @@ class Lock:
                             self._valid_until = valid_until
                             self._lost_reason = ""
                             self._failure = self._last_error = None
+                            acquired = True
+                            self.last_attempts = attempts
+                            if entry is not None:
+                                self._granted(entry)
                             logger.debug(
                                 "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
                             )
                             return True
                         # Granted, but run out before it was looked at: a failed attempt, and so
                         # released like one.
-                        redlock.release_key(self.key, token, commands=self._commands)
+                        redlock.release_key(
+                            self.key, token, commands=self._commands, command=self._retraction(token, entry)
+                        )
                 self._refused(votes)
                 # Built only when asked for: a contended loop fails far more often than it looks.
                 self._failure = (votes, attempts, elapsed, validity)
+                self.last_attempts = attempts
                 self._last_error = None
                 if not blocking:
                     return False
@@ -273,13 +293,46 @@ class Lock:
                     # The first refusal: join the key's room, then try again at once (the holder
                     # may have released while we subscribed; its notice would predate our mark).
                     waiter = redlock._subscriber.join(
-                        self.key, min(deadline, now() + redlock.request_timeout)
+                        self.key,
+                        min(deadline, now() + redlock.request_timeout),
+                        None if entry is None else entry.member,
                     )
                 elif not self._wait(waiter, votes, deadline, expiry[0] if expiry else math.inf, cancelled):
                     return False
         finally:
             if waiter is not None:
                 redlock._subscriber.leave(self.key, waiter)
+            if entry is not None and not acquired:
+                self._leave(entry)
+
+    # -- what a kind of lock does differently (plain here; see fair.py) -------------------------
+    def _entry(self) -> Entry | None:
+        """A new acquire call's place in the resource's queue; a plain lock has none."""
+        return None
+
+    def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
+    ) -> tuple[float, list[Vote], float]:
+        """One attempt with ``token``: (validity, votes, elapsed), as ``Redlock.try_acquire``.
+        A waiting attempt's refusals carry the holder's PTTL, gathered in ``expiry``."""
+        if not waiting:
+            return self.redlock.try_acquire(self.key, token, self.ttl, self._commands)
+        expiry.clear()
+        return self.redlock.try_acquire(self.key, token, self.ttl, self._waiting_commands, expiry)
+
+    def _retraction(self, token: str, entry: Entry | None) -> Command | None:
+        """What deletes a granted attempt's ``token`` (None: the kind's own release)."""
+        return None
+
+    def _granted(self, entry: Entry) -> None:
+        """Called holding the mutex once ``entry``'s call acquired the lock."""
+
+    def _leave(self, entry: Entry) -> None:
+        """Called when ``entry``'s call ends without the lock."""
+
+    def _release_command(self, token: str) -> Command | None:
+        """What releases the held ``token`` (None: the kind's own release); holding the mutex."""
+        return None
 
     def _wait(
         self,
@@ -318,8 +371,9 @@ class Lock:
         return True
 
     def _refused(self, votes: list[Vote]) -> None:
-        """Called with the votes of each failed attempt; a kind of lock that can tell a refusal
-        no retry will change (see reentrant.py) raises here."""
+        """Called with the votes of each failed attempt: raises when a refusal is one no retry
+        will change (the name is held as another kind of lock)."""
+        raise_on_kind(self.name, votes)
 
     def extend(self, ttl: float | None = None) -> bool:
         """Set the lock's TTL to ``ttl`` (default: its own) on a quorum; False if that failed.
@@ -402,8 +456,9 @@ class Lock:
             token, self._token = self._token, None
             self._valid_until = 0.0
             self._lost_reason = ""
+            command = self._release_command(token) if token is not None else None
         if token is not None:
-            self.redlock.release_key(self.key, token, linger=linger, commands=self._commands)
+            self.redlock.release_key(self.key, token, linger=linger, commands=self._commands, command=command)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still owned."""

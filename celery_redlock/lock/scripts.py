@@ -27,12 +27,16 @@ class Script:
 #   ARGV[1]  the token
 #   ARGV[2]  the ttl in milliseconds
 #   returns  +OK if the key was set (as SET NX PX answers), else the key's PTTL: when the holder's
-#            lock runs out, so the waiter can wake then instead of a fallback poll later
+#            lock runs out, so the waiter can wake then instead of a fallback poll later; error
+#            REDLOCK_KIND if a reentrant lock (a hash) holds it, which no wait would change
 ACQUIRE_WAIT = Script(
     "acquire_wait",
     """
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return redis.status_reply('OK')
+end
+if redis.call('TYPE', KEYS[1]).ok == 'hash' then
+    return redis.error_reply('REDLOCK_KIND ' .. KEYS[1] .. ' is held as a reentrant lock')
 end
 return redis.call('PTTL', KEYS[1])
 """,
@@ -177,5 +181,95 @@ if redis.call('TYPE', KEYS[1]).ok == 'hash' and redis.call('HEXISTS', KEYS[1], A
     return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
+""",
+)
+
+
+# -- fair locks (see fair.py) ---------------------------------------------------------------------
+# The lock key is a plain string, as for a plain lock (so the two exclude each other, and plain
+# EXTEND keeps a fair lock alive). Beside it, KEYS[2] is the queue, a ZSET member -> ticket, and
+# KEYS[3] the entries' deadlines, a ZSET member -> deadline in ms on this master's clock. Equal
+# tickets sort by member, the same way on every master. Only the head may take a free lock.
+
+# FAIR_ACQUIRE (one attempt of a fair waiter)
+#   KEYS[1]  the lock key; KEYS[2] its queue; KEYS[3] its deadlines
+#   ARGV[1]  the attempt's token
+#   ARGV[2]  the ttl in milliseconds
+#   ARGV[3]  the waiter's member (one per acquire call)
+#   ARGV[4]  the waiter's ticket (unused by 'probe')
+#   ARGV[5]  the entry's ttl in milliseconds: it is dropped this long after its last attempt
+#   ARGV[6]  'probe' (take the lock only if it is free and nobody queues; never queue),
+#            'join' (queue at the ticket, or move there), 'keep' (refresh the entry if it is
+#            still queued; never queue again: an entry that expired has lost its place)
+#   returns  +OK if the lock is now ARGV[1]'s; else {pttl of the lock (-2: free), the next
+#            ticket (highest queued + 1), the member's rank (-1: not queued), 1 if the member
+#            was queued before this call else 0}; error REDLOCK_KIND if a reentrant lock holds it
+# Each call first drops at most 32 expired entries, so its cost stays bounded: a dead waiter's
+# entry is gone at most one attempt after its deadline.
+FAIR_ACQUIRE = Script(
+    "fair_acquire",
+    """
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind == 'hash' then
+    return redis.error_reply('REDLOCK_KIND ' .. KEYS[1] .. ' is held as a reentrant lock')
+end
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now, 'LIMIT', 0, 32)
+if #expired > 0 then
+    redis.call('ZREM', KEYS[2], unpack(expired))
+    redis.call('ZREM', KEYS[3], unpack(expired))
+end
+local member = ARGV[3]
+local queued = redis.call('ZSCORE', KEYS[2], member) and 1 or 0
+local mode = ARGV[6]
+if mode == 'join' then
+    redis.call('ZADD', KEYS[2], ARGV[4], member)
+end
+if mode == 'join' or (mode == 'keep' and queued == 1) then
+    redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), member)
+end
+if kind == 'none' then
+    local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+    if head == member or (head == nil and mode == 'probe') then
+        redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+        return redis.status_reply('OK')
+    end
+end
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+local after = 1
+if last[2] then
+    after = tonumber(last[2]) + 1
+end
+return {redis.call('PTTL', KEYS[1]), after, redis.call('ZRANK', KEYS[2], member) or -1, queued}
+""",
+)
+
+# FAIR_RELEASE (a release, a failed attempt's retraction, or a waiter leaving the queue)
+#   KEYS[1]  the lock key, also the channel; KEYS[2] its queue; KEYS[3] its deadlines
+#   ARGV[1]  the token to compare-and-delete ('' to delete nothing)
+#   ARGV[2]  the waiter's member
+#   ARGV[3]  '1' to take the member out of the queue, '0' to keep its place (a retraction)
+#   returns  1 if the lock held ARGV[1] and was deleted, else 0
+# When this freed the lock or changed the queue and the lock is free, the new head's member (or
+# '*' when nobody queues) is published: only that waiter wakes, not the herd.
+FAIR_RELEASE = Script(
+    "fair_release",
+    """
+local deleted = 0
+if ARGV[1] ~= '' and redis.call('TYPE', KEYS[1]).ok == 'string'
+        and redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    deleted = 1
+end
+local left = 0
+if ARGV[3] == '1' then
+    left = redis.call('ZREM', KEYS[2], ARGV[2])
+    redis.call('ZREM', KEYS[3], ARGV[2])
+end
+if (deleted == 1 or left == 1) and redis.call('EXISTS', KEYS[1]) == 0 then
+    redis.call('PUBLISH', KEYS[1], redis.call('ZRANGE', KEYS[2], 0, 0)[1] or '*')
+end
+return deleted
 """,
 )

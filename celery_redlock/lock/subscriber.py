@@ -64,9 +64,12 @@ _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "P
 class Waiter:
     """One blocked acquisition's place in a room: the masters it was noticed by since its mark."""
 
-    __slots__ = ("confirmed", "credits", "refusers")
+    __slots__ = ("confirmed", "credits", "member", "refusers")
 
-    def __init__(self) -> None:
+    def __init__(self, member: bytes | None = None) -> None:
+        # A fair waiter's member (see fair.py): it is woken only by notices naming it (or '*');
+        # any other waiter by every notice.
+        self.member = member
         self.credits: set[int] = set()
         # The masters whose refusal the waiter waits to see end (None: any master, until its
         # attempt says which refused), and those confirmed before its attempt began.
@@ -131,11 +134,12 @@ class Subscriber:
         self._stopping = False
 
     # -- the waiters' side ------------------------------------------------------------------------
-    def join(self, key: str, deadline: float) -> Waiter:
+    def join(self, key: str, deadline: float, member: str | None = None) -> Waiter:
         """A waiter in ``key``'s room; waits (by ``deadline``) for the masters to confirm the
-        room's subscription, so the first attempt after this can rely on them."""
+        room's subscription, so the first attempt after this can rely on them. A fair waiter
+        passes its ``member``."""
         channel = key.encode()
-        waiter = Waiter()
+        waiter = Waiter(None if member is None else member.encode())
         with self._cond:
             room = self._rooms.get(channel)
             if room is None:
@@ -424,7 +428,10 @@ class Subscriber:
             room = self._rooms.get(push[1])
             if room is None:
                 return
+            named = push[2] if push[2] != b"*" else None  # a fair release names the new head
             for waiter in room.waiters:  # the earliest that can use it, only
+                if named is not None and waiter.member is not None and waiter.member != named:
+                    continue
                 if i not in waiter.credits and (waiter.refusers is None or i in waiter.refusers):
                     waiter.credits.add(i)
                     return

@@ -1,0 +1,186 @@
+"""Fair locks: waiters queue on the masters and take the lock in the order they arrived.
+
+Made by ``Redlock.lock(name, fair=True)``. The lock itself is a plain lock's string key, taken
+and counted exactly as a plain lock's (quorum, validity, retraction): the queue decides only
+*who may try*, never whether a grant counts. Beside the key each master keeps a queue (a ZSET
+member -> ticket) and each entry's deadline on its own clock (see ``FAIR_ACQUIRE`` in
+:mod:`.scripts`). A free lock can be taken on a master only by the head of its queue, and a
+release publishes the new head's member, so only that waiter wakes (:mod:`.subscriber`).
+
+Words: a *member* is one acquire call's name in the queue; its *ticket* is its place, the same
+number on every master; an *entry* is the member on one master, with its deadline.
+
+**Tickets need no clock** (after Lamport's bakery). An acquire call's first attempt is a
+*probe*: it takes the lock only if it is free and nobody queues, and every refusal carries that
+master's highest ticket + 1. The waiter takes the largest over the masters that answered and
+*joins* with it everywhere, in its next attempt. INVARIANT (arrival order): if A's join was
+acknowledged by a quorum before B's probe began, B's probe met a master that holds A's entry,
+so B's ticket is larger than A's, on every master. Arrivals that overlap get some order, but
+the same one everywhere: equal tickets sort by member.
+
+**A dead waiter cannot block the queue.** An entry expires ``entry_ttl`` after its waiter's
+last attempt (``max(2 s, 4 * wait_poll)``; a waiter tries at least every ``wait_poll``), and
+every attempt first drops expired entries. A waiter that was paused past its deadline has lost
+its place: its next attempt (``keep``) does not queue it again, and when a quorum says so it
+takes a new ticket at the back.
+
+**When the masters disagree** on who is head (an entry missing on a master that was down
+during the join, entries expiring at different times, a master restarted empty), the attempts
+do what they always do: a quorum of grants wins, anything less is retracted. Disagreement can
+cost order and time (at most until the stale entries expire), never exclusion. Each attempt's
+replies carry the member's rank on every master, which the benchmarks report.
+
+Plain locks on a fair name take it without queueing (they exclude each other, the queue is
+only skipped); reentrant and fair are not combined (ConfigError).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..errors import Vote
+from . import scripts
+from .commands import milliseconds
+from .masters import Command, Outcome, script_template
+from .resource import Lock
+
+if TYPE_CHECKING:
+    from .redlock import Redlock
+
+# (key, queue, deadlines, token, ttl ms, member, ticket, entry ttl ms, mode)
+ACQUIRE = script_template(scripts.FAIR_ACQUIRE, 3, 6)
+RELEASE = script_template(scripts.FAIR_RELEASE, 3, 3)  # key queue deadlines token member leave(1/0)
+
+# The suffixes of a fair lock's two queue keys (a name ending in them is another lock's queue).
+QUEUE_SUFFIX = ":queue"
+DEADLINES_SUFFIX = ":deadlines"
+# An entry outlives its waiter's last attempt by at least this long (seconds).
+MIN_ENTRY_TTL = 2.0
+
+
+@dataclass
+class Entry:
+    """One acquire call's place in the queue, as far as its replies told."""
+
+    member: str
+    ticket: int = 0  # 0 until a probe told the next ticket
+    placed: set[int] = field(default_factory=set)  # the masters that acknowledged the entry
+    ranks: list[int] = field(default_factory=list)  # the latest rank on each master (-1: none)
+    attempts: int = 0
+
+
+class FairLock(Lock):
+    """A :class:`Lock` whose waiters take it in arrival order (see the module docstring).
+
+    ``acquire(timeout=None)`` waits in the queue up to ``(retry_count + 1) * retry_delay``,
+    the longest a plain lock's retries take; pass a ``timeout`` to wait longer. A non-blocking
+    acquire never queues: it takes the lock only if it is free and nobody waits.
+    """
+
+    def __init__(
+        self,
+        redlock: Redlock,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+        holder: str = "",
+    ) -> None:
+        super().__init__(redlock, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
+        self._keys = (self.key, self.key + QUEUE_SUFFIX, self.key + DEADLINES_SUFFIX)
+        self.entry_ttl = max(MIN_ENTRY_TTL, 4 * redlock.wait_poll)
+        self._member: str | None = None  # the member of the call that holds the lock
+
+    def acquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> bool:
+        if blocking and timeout is None:
+            timeout = (self.redlock.retry_count + 1) * self.redlock.retry_delay
+        return super().acquire(blocking, timeout, cancelled=cancelled)
+
+    def _entry(self) -> Entry:
+        return Entry(os.urandom(12).hex())
+
+    def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
+    ) -> tuple[float, list[Vote], float]:
+        assert entry is not None
+        redlock = self.redlock
+        n = len(redlock.masters)
+        ttl_ms = milliseconds(self.ttl)
+        entry_ms = milliseconds(self.entry_ttl)
+        if not entry.ticket:
+            modes = ["probe"] * n
+        else:
+            modes = ["keep" if i in entry.placed else "join" for i in range(n)]
+        packed = {
+            mode: ACQUIRE.pack(*self._keys, token, ttl_ms, entry.member, entry.ticket, entry_ms, mode)
+            for mode in set(modes)
+        }
+        seen: list[Outcome] = []
+        expiry.clear()
+        result = redlock.try_acquire(
+            self.key,
+            token,
+            self.ttl,
+            expiry=expiry,
+            acquires=[packed[mode] for mode in modes],
+            retraction=RELEASE.pack(*self._keys, token, entry.member, "0"),
+            seen=seen,
+        )
+        entry.attempts += 1
+        self._take_in(entry, modes, seen)
+        return result
+
+    def _take_in(self, entry: Entry, modes: list[str], outcomes: list[Outcome]) -> None:
+        """Update ``entry`` from one attempt's replies: where it is queued, and its ticket."""
+        after = 0
+        gone = 0
+        ranks = []
+        for i, (mode, outcome) in enumerate(zip(modes, outcomes, strict=True)):
+            value = outcome.value if outcome.kind == "ok" else None
+            if isinstance(value, list) and len(value) == 4:
+                after = max(after, int(value[1]))
+                ranks.append(int(value[2]))
+                if mode == "join":
+                    entry.placed.add(i)
+                elif mode == "keep" and not value[3]:
+                    entry.placed.discard(i)  # expired there: this master no longer queues it
+                    gone += 1
+            else:
+                ranks.append(0 if value == b"OK" else -1)
+                if value == b"OK" and mode == "join":
+                    entry.placed.add(i)
+        entry.ranks = ranks
+        if gone >= self.redlock.quorum:
+            # The entry expired on a quorum (this waiter was paused past its deadline): its
+            # place is lost, and it queues again at the back.
+            entry.ticket = 0
+            entry.placed.clear()
+        if not entry.ticket and after:
+            entry.ticket = after
+
+    def _retraction(self, token: str, entry: Entry | None) -> Command | None:
+        assert entry is not None
+        return RELEASE.pack(*self._keys, token, entry.member, "0")
+
+    def _granted(self, entry: Entry) -> None:
+        self._member = entry.member
+
+    def _leave(self, entry: Entry) -> None:
+        if entry.ticket:  # it may have joined somewhere (a timed-out join may have landed)
+            self.redlock.release_key(
+                self.key, "", linger=False, command=RELEASE.pack(*self._keys, "", entry.member, "1")
+            )
+
+    def _release_command(self, token: str) -> Command | None:
+        member, self._member = self._member, None
+        return RELEASE.pack(*self._keys, token, member or "", "1")
