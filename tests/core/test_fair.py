@@ -1,0 +1,307 @@
+"""Fair locks (issue 16, part 3), on real masters.
+
+Invariants attacked here:
+- arrival order: a waiter whose place was acknowledged by every master before the next waiter
+  arrived is granted before it, whether the waiters are threads or processes;
+- only the head is woken: each grant after a release costs the woken waiter one attempt, so a
+  queue of n waiters costs n attempts beyond their arrivals, not a herd's n * n;
+- a dead waiter (SIGKILLed) holds the queue up for at most its entry's TTL plus a fallback poll;
+- a waiter paused past its entry's TTL has lost its place and queues again at the back;
+- a waiter that gives up leaves no entry behind; a released lock leaves no key at all;
+- when the masters disagree (one restarted empty under a full queue), exclusion holds and every
+  waiter is still granted;
+- the kinds do not mix silently: fair or plain against a reentrant holder raise LockKindMismatch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from celery_redlock import ConfigError, LockKindMismatch, Redlock
+from celery_redlock.lock.fair import FairLock
+from celery_redlock.testing import ServerSet
+
+from .conftest import keys_on, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+QUEUE = "redlock:{}:queue"
+
+
+@pytest.fixture
+def rl(masters: ServerSet) -> Iterator[Redlock]:
+    with Redlock(masters.urls, wait_poll=0.5, request_timeout=0.2) as instance:
+        yield instance
+
+
+def queued(masters: ServerSet, name: str) -> list[int]:
+    """How many entries each running master queues for ``name``."""
+    counts = []
+    for server in masters:
+        if server.running and not server.paused:
+            client = server.client()
+            try:
+                counts.append(client.zcard(QUEUE.format(name)))
+            finally:
+                client.close()
+    return counts
+
+
+def await_queued(masters: ServerSet, name: str, n: int, timeout: float = 10) -> None:
+    assert wait_for(lambda: set(queued(masters, name)) == {n}, timeout), queued(masters, name)
+
+
+class Holds:
+    """Who held the resource, in grant order; fails a test on any overlap."""
+
+    def __init__(self) -> None:
+        self.order: list[object] = []
+        self.attempts: dict[object, int] = {}
+        self.granted_at: dict[object, float] = {}
+        self.overlaps = 0
+        self._inside = 0
+        self._mutex = threading.Lock()
+
+    def hold(self, who: object, lock: FairLock, seconds: float = 0.02) -> None:
+        with self._mutex:
+            self._inside += 1
+            if self._inside > 1:
+                self.overlaps += 1
+            self.order.append(who)
+            self.attempts[who] = lock.last_attempts
+            self.granted_at[who] = time.monotonic()
+        time.sleep(seconds)
+        with self._mutex:
+            self._inside -= 1
+        lock.release()
+
+
+def start_waiter(
+    urls: list[str], name: str, holds: Holds, who: object, timeout: float = 30, wait_poll: float = 0.5
+) -> threading.Thread:
+    def run() -> None:
+        with Redlock(urls, wait_poll=wait_poll, request_timeout=0.2) as own:
+            lock = own.lock(name, ttl=10, fair=True)
+            if lock.acquire(timeout=timeout):
+                holds.hold(who, lock)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_uncontended_fair_acquire_is_one_command_per_master(masters: ServerSet, rl: Redlock) -> None:
+    for server in masters:
+        server.client().config_resetstat()
+    lock = rl.lock("free", ttl=5, fair=True)
+    assert lock.acquire(blocking=False)
+    assert lock.last_attempts == 1
+    for server in masters:
+        stats = server.client().info("commandstats")
+        assert stats["cmdstat_eval"]["calls"] == 1, stats  # one script, nothing before or after
+    lock.release()
+    assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
+
+
+@pytest.mark.parametrize("waiters", [5, 10])
+def test_threads_are_granted_in_arrival_order_one_wake_each(
+    masters: ServerSet, rl: Redlock, waiters: int
+) -> None:
+    holder = rl.lock("order", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    holds = Holds()
+    threads = []
+    for i in range(waiters):
+        # A fallback poll far longer than the test: every attempt after arrival is a wake.
+        threads.append(start_waiter(masters.urls, "order", holds, i, wait_poll=10))
+        await_queued(masters, "order", i + 1)  # acknowledged everywhere before the next arrives
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert holds.order == list(range(waiters))
+    assert holds.overlaps == 0
+    # Arrival costs two attempts (the probe, then the join); each grant then costs one.
+    assert all(n == 3 for n in holds.attempts.values()), holds.attempts
+    assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
+
+
+def _process_waiter(urls: list[str], name: str, log: str, who: int) -> None:
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
+        lock = own.lock(name, ttl=10, fair=True)
+        if lock.acquire(timeout=30):
+            with open(log, "a") as out:
+                out.write(f"{who}\n")
+            time.sleep(0.02)
+            lock.release()
+
+
+def test_processes_are_granted_in_arrival_order(masters: ServerSet, rl: Redlock, tmp_path: object) -> None:
+    log = os.path.join(str(tmp_path), "grants")
+    holder = rl.lock("procs", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    context = multiprocessing.get_context("fork")
+    children = []
+    for i in range(5):
+        child = context.Process(target=_process_waiter, args=(masters.urls, "procs", log, i))
+        child.start()
+        children.append(child)
+        await_queued(masters, "procs", i + 1)
+    holder.release()
+    for child in children:
+        child.join(30)
+        assert child.exitcode == 0
+    with open(log) as grants:
+        assert [int(line) for line in grants] == list(range(5))
+
+
+def _park(urls: list[str], name: str) -> None:
+    """A waiter that queues and then waits until it is killed."""
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
+        own.lock(name, ttl=10, fair=True).acquire(timeout=60)
+
+
+def _queue_child(
+    masters: ServerSet, name: str, n: int, target: Callable[..., None] = _park
+) -> multiprocessing.process.BaseProcess:
+    child = multiprocessing.get_context("fork").Process(target=target, args=(masters.urls, name), daemon=True)
+    child.start()
+    await_queued(masters, name, n)
+    return child
+
+
+def test_a_dead_head_holds_the_queue_up_at_most_its_entry_ttl(masters: ServerSet, rl: Redlock) -> None:
+    holder = rl.lock("dead", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    head = _queue_child(masters, "dead", 1)
+    holds = Holds()
+    behind = start_waiter(masters.urls, "dead", holds, "behind")
+    await_queued(masters, "dead", 2)
+    assert head.pid is not None
+    os.kill(head.pid, signal.SIGKILL)
+    head.join(5)
+    released = time.monotonic()
+    holder.release()
+    behind.join(30)
+    waited = time.monotonic() - released
+    assert holds.order == ["behind"]
+    entry_ttl = holder.entry_ttl  # type: ignore[attr-defined]
+    # The dead entry expires entry_ttl after its last refresh (at most one fallback poll before
+    # the kill); the waiter behind tries at least every wait_poll.
+    assert waited < entry_ttl + 2 * rl.wait_poll + 1.0, waited
+
+
+def _timed_waiter(urls: list[str], name: str, log: str) -> None:
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
+        lock = own.lock(name, ttl=10, fair=True)
+        if lock.acquire(timeout=60):
+            with open(log, "w") as out:
+                out.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: system-wide on Linux
+            lock.release()
+
+
+def test_a_waiter_paused_past_its_entry_ttl_queues_again_at_the_back(
+    masters: ServerSet, rl: Redlock, tmp_path: object
+) -> None:
+    log = os.path.join(str(tmp_path), "paused")
+    holder = rl.lock("paused", ttl=30, fair=True)
+    assert holder.acquire(blocking=False)
+    first = multiprocessing.get_context("fork").Process(
+        target=_timed_waiter, args=(masters.urls, "paused", log), daemon=True
+    )
+    first.start()
+    await_queued(masters, "paused", 1)
+    assert first.pid is not None
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        holds = Holds()
+        later = start_waiter(masters.urls, "paused", holds, "later")
+        await_queued(masters, "paused", 2)
+        # The paused entry expires; the later waiter's refreshes prune it on every master.
+        entry_ttl = holder.entry_ttl  # type: ignore[attr-defined]
+        assert wait_for(lambda: set(queued(masters, "paused")) == {1}, entry_ttl + 5), queued(
+            masters, "paused"
+        )
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    await_queued(masters, "paused", 2)  # the resumed waiter lost its place and queued again
+    holder.release()
+    later.join(30)
+    first.join(30)
+    assert first.exitcode == 0
+    assert holds.order == ["later"]
+    with open(log) as written:
+        assert float(written.read()) > holds.granted_at["later"]
+
+
+def test_a_waiter_that_gives_up_leaves_no_entry(masters: ServerSet, rl: Redlock) -> None:
+    holder = rl.lock("leave", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    waiter = rl.lock("leave", ttl=10, fair=True)
+    started = time.monotonic()
+    assert not waiter.acquire(timeout=0.5)
+    assert time.monotonic() - started < 0.5 + rl.request_timeout + 0.3
+    assert wait_for(lambda: set(queued(masters, "leave")) == {0}, 5), queued(masters, "leave")
+    assert not waiter.acquire(blocking=False)  # never queues
+    assert set(queued(masters, "leave")) == {0}
+    holder.release()
+    assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
+
+
+def test_a_master_restarted_empty_under_a_full_queue_keeps_exclusion(masters: ServerSet, rl: Redlock) -> None:
+    holder = rl.lock("restart", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    holds = Holds()
+    threads = []
+    for i in range(5):
+        threads.append(start_waiter(masters.urls, "restart", holds, i))
+        await_queued(masters, "restart", i + 1)
+    # One master forgets everything: the lock and the queue (a restart without persistence).
+    masters[0].client().flushall()
+    holder.release()
+    for thread in threads:
+        thread.join(30)
+    assert holds.overlaps == 0
+    assert sorted(holds.order) == list(range(5))  # every waiter granted
+    inversions = sum(1 for i, a in enumerate(holds.order) for b in holds.order[i + 1 :] if a > b)  # type: ignore[operator]
+    print(f"one master emptied under 5 queued waiters: order {holds.order}, {inversions} inversions")
+
+
+def test_kinds_do_not_mix(rl: Redlock) -> None:
+    reentrant = rl.lock("kind", ttl=10, reentrant=True)
+    assert reentrant.acquire(blocking=False)
+    with pytest.raises(LockKindMismatch, match="reentrant"):
+        rl.lock("kind", ttl=10, fair=True).acquire(blocking=False)
+    with pytest.raises(LockKindMismatch, match="reentrant"):
+        rl.lock("kind", ttl=10).acquire(timeout=5)  # a plain waiter: its waiting attempts ask
+    reentrant.release()
+    fair = rl.lock("kind2", ttl=10, fair=True)
+    assert fair.acquire(blocking=False)
+    with pytest.raises(LockKindMismatch, match="plain"):
+        rl.lock("kind2", ttl=10, reentrant=True).acquire(blocking=False)
+    fair.release()
+
+
+def test_fair_options_are_checked(rl: Redlock) -> None:
+    with pytest.raises(ConfigError, match="reentrant"):
+        rl.lock("x", fair=True, reentrant=True)  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match="fair"):
+        rl.lock("x", fair="yes")  # type: ignore[call-overload]
+    assert isinstance(rl.lock("x", fair=True), FairLock)
+
+
+def test_fair_timeout_none_waits_the_retry_budget(masters: ServerSet) -> None:
+    with Redlock(masters.urls, retry_count=2, retry_delay=0.2) as own:
+        holder = own.lock("budget", ttl=10, fair=True)
+        assert holder.acquire(blocking=False)
+        started = time.monotonic()
+        assert not own.lock("budget", ttl=10, fair=True).acquire()
+        waited = time.monotonic() - started
+        assert 0.55 < waited < 0.6 + own.request_timeout + 0.3, waited
+        holder.release()
