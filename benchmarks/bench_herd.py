@@ -86,6 +86,52 @@ def measure(urls: list[str], fair: bool, processes: int, threads: int, grants: i
     }
 
 
+def order_under(servers: ServerSet, condition: str, waiters: int = 10) -> tuple[list[int], float]:
+    """``waiters`` fair waiters arrive one after another (each queued on every answering master
+    before the next); ``condition`` disturbs the masters; then the holder releases. Returns the
+    grant order (arrival indexes) and the seconds from the release to the last grant."""
+    name = f"bench:order:{condition}"
+    order: list[int] = []
+    mutex = threading.Lock()
+    with Redlock(servers.urls, request_timeout=0.2, wait_poll=0.5) as redlock:
+        holder = redlock.lock(name, ttl=30, fair=True)
+        assert holder.acquire(blocking=False)
+
+        def run(i: int) -> None:
+            lock = redlock.lock(name, ttl=30, fair=True)
+            if lock.acquire(timeout=60):
+                with mutex:
+                    order.append(i)
+                time.sleep(HOLD)
+                lock.release(linger=False)
+
+        def queued() -> set[int]:
+            counts = set()
+            for server in servers:
+                if server.running and not server.paused:
+                    counts.add(server.client().zcard("redlock:" + name + ":queue"))
+            return counts
+
+        if condition == "paused during arrivals":
+            servers[0].pause()
+        threads = []
+        for i in range(waiters):
+            threads.append(threading.Thread(target=run, args=(i,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while queued() != {i + 1} and time.monotonic() < deadline:
+                time.sleep(0.005)
+        if condition == "paused during arrivals":
+            servers[0].resume()
+        elif condition == "one master emptied":
+            servers[0].flushall()
+        released = time.monotonic()
+        holder.release(linger=False)
+        for thread in threads:
+            thread.join(90)
+        return order, time.monotonic() - released
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--masters", type=int, default=5)
@@ -104,6 +150,11 @@ def main() -> None:
                 print(
                     f"  {field:<22} plain {rows['plain'][field]:>10.2f}   fair {rows['fair'][field]:>10.2f}"
                 )
+        print("\nfair order when the masters disagree (10 waiters, arrival order 0..9):")
+        for condition in ("healthy", "one master emptied", "paused during arrivals"):
+            order, drain = order_under(servers, condition)
+            inversions = sum(1 for i, a in enumerate(order) for b in order[i + 1 :] if a > b)
+            print(f"  {condition:<24} granted {len(order)}/10, {inversions} inversions, drain {drain:.2f} s")
 
 
 if __name__ == "__main__":
