@@ -4,7 +4,8 @@ Run as a thread (``run_client(config)``) or as its own process
 (``python -m <package>.client '<json config>'``), which the client-pause nemesis can SIGSTOP.
 
 Each attempt is one round (``acquire(blocking=False)``), so every failure is counted with its
-reason; a ``waiting`` client instead blocks in ``acquire(timeout=ttl)``, woken by releases, and a
+reason; a ``waiting`` client instead blocks in ``acquire(timeout=ttl)``, woken by releases (a
+``fair`` one the same, queued in arrival order: ``fair=True``), and a
 ``reentrant`` client takes a reentrant lock and enters it again once or twice before it writes.
 Inside a hold the client checks ``ensure()`` before it reads and again before it writes;
 sometimes it extends the lock, and sometimes it walks away without releasing (as a crashed
@@ -99,8 +100,9 @@ def run_client(config: ClientConfig) -> None:
                 # Each hold is one owner (as each Celery execution is): a hold abandoned below
                 # stands for a crashed one, and must not be re-entered by the next iteration.
                 open_scope()
-            lock: Any = redlock.lock(resource, reentrant=mode == "reentrant")
-            got = lock.acquire(timeout=config.ttl) if mode == "waiting" else lock.acquire(blocking=False)
+            lock: Any = redlock.lock(resource, reentrant=mode == "reentrant", fair=mode == "fair")
+            waits = mode in ("waiting", "fair")
+            got = lock.acquire(timeout=config.ttl) if waits else lock.acquire(blocking=False)
             depth = 1
             if got and mode == "reentrant":
                 try:

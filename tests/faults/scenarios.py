@@ -58,7 +58,7 @@ class Scenario:
     extend: float = 0.2
     limit: str = ""  # for a violation: the known limit and the operator rule that avoids it
     celery_workers: int = 0  # > 0: the workload is RedlockTask runs in real prefork workers
-    client_mode: str = "plain"  # plain, waiting or reentrant (see client.py)
+    client_mode: str = "plain"  # plain, waiting, fair or reentrant (see client.py)
 
 
 SCENARIOS: list[Scenario] = [
@@ -172,6 +172,16 @@ SCENARIOS: list[Scenario] = [
         "their pub/sub connections dropped, a holder process SIGSTOPped",
         faults=["kill_delayed", "pause_master", "kill_pubsub", "client_pause"],
         client_mode="waiting",
+        threads=2,
+        processes=2,
+        resources=1,
+    ),
+    Scenario(
+        "fair",
+        "fair clients queue in acquire(timeout), each woken alone by the release before it: "
+        "masters killed and paused (entries lost on one), pub/sub dropped, a queued process SIGSTOPped",
+        faults=["kill_delayed", "pause_master", "kill_pubsub", "client_pause"],
+        client_mode="fair",
         threads=2,
         processes=2,
         resources=1,
