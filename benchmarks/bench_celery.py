@@ -14,6 +14,13 @@ batches of ``--tasks`` no-op tasks, in an order that rotates from round to round
   (compare-and-delete) in front of the next task's SET. No timeouts, no votes, no heartbeat, no
   error handling: a same-run yardstick, not a lock anyone should use.
 
+With ``--publish N`` (default 2000; 0 skips it) it also measures the *publish rate*: calls/s of
+``apply_async`` from one thread of this process into a queue nobody consumes, in alternating
+batches of N: a plain Celery task, a ``RedlockTask`` without ``lock_enqueue`` (its publish is
+Celery's own), one with ``lock_enqueue="return_existing"`` and a fresh key per call (one Redlock
+round, the marker, before each publish), and the same with one key for every call (the duplicate
+path: a refused round and a holder read, nothing published). ``--publish-only`` skips the workers.
+
 Each batch is timed from the first send until every result is in. Prints, per worker, the median
 over rounds of locked/plain and floor/plain throughput (the batches of one round see nearly the
 same machine, which a shared machine's drifting speed does not allow across rounds), the rates
@@ -135,8 +142,14 @@ def main() -> None:
     parser.add_argument(
         "--masters", default="5", help="comma-separated lock master counts to measure, e.g. 1,3,5"
     )
+    parser.add_argument("--publish", type=int, default=2000, help="apply_async calls per publish batch")
+    parser.add_argument("--publish-only", action="store_true", help="measure only the publish rate")
     args = parser.parse_args()
     counts = [int(n) for n in args.masters.split(",")]
+    if args.publish:
+        publish_rates(args, counts)
+    if args.publish_only:
+        return
 
     workdir = Path(tempfile.mkdtemp(prefix="bench-celery-"))
     (workdir / "benchapp.py").write_text(APP_SOURCE)
@@ -199,6 +212,79 @@ def main() -> None:
     print(
         "CPU columns: ms per task that kind added over plain, to the worker (all its processes) "
         "and to the masters"
+    )
+
+
+PUBLISH_KINDS = ("plain", "locked", "enqueue", "duplicate")
+
+
+def publish_rates(args: argparse.Namespace, counts: list[int]) -> None:
+    """apply_async calls/s, plain Celery against lock_enqueue, same run, alternating batches."""
+    from celery_redlock import RedlockTask
+
+    rows = []
+    with RedisServer() as broker, ServerSet(max(counts)) as masters:
+        for count in counts:
+            for master in masters:  # no marker of a run over fewer masters splits this one's vote
+                master.flushall()
+            app = Celery(f"bench-publish-{count}", broker=broker.url, set_as_current=False)
+            app.conf.update(redlock_masters=masters.urls[:count], broker_pool_limit=1)
+
+            @app.task(name="bench.pub_plain")
+            def pub_plain(i: int) -> int:
+                return i
+
+            @app.task(base=RedlockTask, name="bench.pub_locked", lock_key="pub:<i>")
+            def pub_locked(i: int) -> int:
+                return i
+
+            @app.task(
+                base=RedlockTask, name="bench.pub_enqueue", lock_key="pub:<i>", lock_enqueue="return_existing"
+            )
+            def pub_enqueue(i: int) -> int:
+                return i
+
+            tasks = {
+                "plain": pub_plain,
+                "locked": pub_locked,
+                "enqueue": pub_enqueue,
+                "duplicate": pub_enqueue,
+            }
+            queue = f"bench-publish-{os.getpid()}-{count}"
+            store = broker.client()
+            took: dict[str, list[float]] = {kind: [] for kind in PUBLISH_KINDS}
+            serial = iter(range(10**9))
+            for round_ in range(-1, args.rounds):  # round -1 warms up connections and code paths
+                shift = round_ % len(PUBLISH_KINDS)
+                for kind in PUBLISH_KINDS[shift:] + PUBLISH_KINDS[:shift]:
+                    task = tasks[kind]
+                    n = 50 if round_ < 0 else args.publish
+                    keys = [-1] * n if kind == "duplicate" else [next(serial) for _ in range(n)]
+                    started = time.perf_counter()
+                    for key in keys:
+                        task.apply_async((key,), queue=queue)
+                    elapsed = time.perf_counter() - started
+                    if round_ >= 0:
+                        took[kind].append(elapsed)
+                    store.delete(queue)
+            app.close()
+            rates = {kind: args.publish / statistics.median(times) for kind, times in took.items()}
+            ratio = statistics.median(p / e for p, e in zip(took["plain"], took["enqueue"], strict=True))
+            rows.append((count, rates, ratio))
+    print(
+        f"publish rate: apply_async calls/s from one thread, {args.publish} per batch, median of "
+        f"{args.rounds} rounds (kinds alternating), into a queue nobody consumes"
+    )
+    print("| masters | plain/s | RedlockTask/s | lock_enqueue/s | lock_enqueue / plain | duplicate/s |")
+    print("|--:|--:|--:|--:|--:|--:|")
+    for count, rates, ratio in rows:
+        print(
+            f"| {count} | {rates['plain']:.0f} | {rates['locked']:.0f} | {rates['enqueue']:.0f} | "
+            f"{ratio:.2f} | {rates['duplicate']:.0f} |"
+        )
+    print(
+        "RedlockTask: no lock_enqueue (Celery's own publish); lock_enqueue: a fresh key per call; "
+        "duplicate: lock_enqueue, one key held, nothing published"
     )
 
 

@@ -81,8 +81,8 @@ class Samples:
         return len(self.ns) / (sum(self.ns) / 1e9)
 
 
-def redlock_step(redlock: Redlock, key: str) -> Callable[[], None]:
-    lock = redlock.lock(key, ttl=TTL)
+def redlock_step(redlock: Redlock, key: str, fenced: bool = False) -> Callable[[], None]:
+    lock = redlock.lock(key, ttl=TTL, fenced=fenced)
 
     def step() -> None:
         if not lock.acquire(blocking=False):
@@ -129,16 +129,20 @@ def alternate(
     return list(samples.values())
 
 
-def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
+def uncontended(
+    urls: Sequence[str], iterations: int, warmup: int, block: int
+) -> tuple[Samples, Samples, Samples]:
+    """Plain, fenced (``fenced=True``: two rounds per grant) and the raw floor, alternating."""
     redlock = Redlock(urls, ttl=TTL)
     floor = RawMasters(urls)
     try:
         steps = {
             "redlock": redlock_step(redlock, "bench:uncontended:redlock"),
+            "fenced": redlock_step(redlock, "bench:uncontended:fenced", fenced=True),
             "floor": floor_step(floor, "bench:uncontended:floor"),
         }
-        lock, raw = alternate(steps, iterations, warmup, block)
-        return lock, raw
+        lock, fenced, raw = alternate(steps, iterations, warmup, block)
+        return lock, fenced, raw
     finally:
         floor.close()
         redlock.close()
@@ -376,8 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             urls = servers.urls[:n]
             if not args.skip_uncontended:
                 flush(servers)
-                lock, floor = uncontended(urls, args.iterations, args.warmup, args.block)
-                for s in (lock, floor):
+                lock, fenced, floor = uncontended(urls, args.iterations, args.warmup, args.block)
+                for s in (lock, fenced, floor):
                     unc_rows.append(
                         [
                             n,

@@ -22,6 +22,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "AlreadyQueued": "celery_redlock.errors",
     "ConfigError": "celery_redlock.errors",
     "LockLost": "celery_redlock.errors",
     "LockNotAcquired": "celery_redlock.errors",
@@ -38,14 +39,18 @@ _EXPORTS = {
     "app_redlock": "celery_redlock.celery.settings",
     "ReentrantLock": "celery_redlock.lock.reentrant",
     "LockKindMismatch": "celery_redlock.errors",
+    "NotFenced": "celery_redlock.errors",
+    "StaleFence": "celery_redlock.errors",
 }
 
 __all__ = [
+    "AlreadyQueued",
     "ConfigError",
     "Lock",
     "LockKindMismatch",
     "LockLost",
     "LockNotAcquired",
+    "NotFenced",
     "NotLocked",
     "Redlock",
     "RedlockError",
@@ -53,6 +58,7 @@ __all__ = [
     "RedlockTaskMixin",
     "RedlockWarning",
     "ReentrantLock",
+    "StaleFence",
     "Vote",
     "__version__",
     "app_redlock",
@@ -64,12 +70,15 @@ if TYPE_CHECKING:
     from .celery.settings import app_redlock
     from .celery.task import RedlockTask, RedlockTaskMixin, is_skipped
     from .errors import (
+        AlreadyQueued,
         ConfigError,
         LockKindMismatch,
         LockLost,
         LockNotAcquired,
+        NotFenced,
         NotLocked,
         RedlockError,
+        StaleFence,
         Vote,
     )
     from .lock.heartbeat import process_heartbeat

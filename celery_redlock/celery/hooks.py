@@ -15,6 +15,8 @@ RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s
   pool child, and the tracer still sends postrun).
 - ``task_revoked`` with ``terminated``: releases the lock if the run was in this process.
 - ``worker_process_shutdown`` / ``worker_shutdown``: releases every lock still held here.
+- ``worker_init`` / ``worker_shutdown``: the Prometheus metrics, when ``redlock_metrics`` asks
+  for them (:mod:`.metrics`: nothing is imported or connected otherwise).
 """
 
 from __future__ import annotations
@@ -65,6 +67,18 @@ def prepare_child(**_: Any) -> None:
         app_settings_and_redlock(current_app)
 
 
+def start_metrics(**kwargs: Any) -> None:
+    from . import metrics
+
+    metrics.worker_init(**kwargs)
+
+
+def stop_metrics(**kwargs: Any) -> None:
+    from . import metrics
+
+    metrics.worker_shutdown(**kwargs)
+
+
 _HOOKS = (
     (celery_signals.before_task_publish, stamp_publish_time),
     (celery_signals.task_postrun, release_after_run),
@@ -72,6 +86,8 @@ _HOOKS = (
     (celery_signals.worker_process_init, prepare_child),
     (celery_signals.worker_process_shutdown, release_at_shutdown),
     (celery_signals.worker_shutdown, release_at_shutdown),
+    (celery_signals.worker_init, start_metrics),
+    (celery_signals.worker_shutdown, stop_metrics),
 )
 
 

@@ -41,6 +41,8 @@ logger = logging.getLogger("celery_redlock.settings")
 
 CONTENDED_POLICIES = ("retry", "skip", "fail", "wait")
 RELEASE_POLICIES = ("on_return", "on_expiry")
+# lock_enqueue / redlock_enqueue: what a publish finds when its key is already queued or running.
+ENQUEUE_MODES = ("return_existing", "raise")
 
 # name -> default; the one place defaults live (docs/settings.md describes each).
 DEFAULTS: dict[str, Any] = {
@@ -57,6 +59,14 @@ DEFAULTS: dict[str, Any] = {
     "redlock_release_linger": 0.02,
     "redlock_wait_timeout": 10.0,
     "redlock_reentrant": False,
+    "redlock_fenced": False,
+    "redlock_fence_retention": 86400.0,
+    # The Prometheus metrics (the `metrics` extra): off, True (collected), or where to serve them.
+    "redlock_metrics": False,
+    "redlock_enqueue": None,
+    # As long as a Redis broker's default visibility_timeout: a message held longer than that
+    # unacknowledged is delivered again anyway.
+    "redlock_enqueue_ttl": 3600.0,
 }
 # Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
 # package reads is known in one place, for the unknown-name check.
@@ -95,6 +105,10 @@ class RedlockSettings:
     release_linger: float
     wait_timeout: float = DEFAULTS["redlock_wait_timeout"]
     reentrant: bool = False
+    fenced: bool = False
+    fence_retention: float = DEFAULTS["redlock_fence_retention"]
+    enqueue: str | None = None
+    enqueue_ttl: float = DEFAULTS["redlock_enqueue_ttl"]
     # Unique to each read in this process, and left out of ==: what a cache of values derived
     # from the settings is keyed on. An id() is not enough, as a newer settings object can be
     # given the id of an older one that was freed.
@@ -111,6 +125,7 @@ class RedlockSettings:
             request_timeout=self.request_timeout,
             key_prefix=self.key_prefix,
             release_linger=self.release_linger if linger else 0.0,
+            fence_retention=self.fence_retention,
         )
 
 
@@ -173,13 +188,45 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
         ),
         wait_timeout=wait_timeout_setting("redlock_wait_timeout", get("redlock_wait_timeout")),
         reentrant=flag("redlock_reentrant", get("redlock_reentrant")),
+        fenced=flag("redlock_fenced", get("redlock_fenced")),
+        fence_retention=number(
+            "redlock_fence_retention", get("redlock_fence_retention"), above=0, unit="seconds"
+        ),
+        enqueue=enqueue_mode("redlock_enqueue", conf.get("redlock_enqueue", None)),
+        enqueue_ttl=number("redlock_enqueue_ttl", get("redlock_enqueue_ttl"), above=0, unit="seconds"),
     )
+
+
+def metrics_setting(value: object) -> bool | tuple[str, int]:
+    """``redlock_metrics``: False or None (off); True (collected into prometheus-client's
+    registry, exposed by whatever serves it); a port (also served at ``/metrics`` on every
+    interface by the worker's main process); or ``"host:port"`` (served on that address)."""
+    if value is None or value is False or value is True:
+        return bool(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        host, port = "", value
+    elif isinstance(value, str) and value.rpartition(":")[2].isdigit():
+        host, _, digits = value.rpartition(":")
+        port = int(digits)
+    else:
+        raise ConfigError(f"redlock_metrics must be False, True, a port or 'host:port', got {value!r}")
+    if not 0 < port < 65536:
+        raise ConfigError(f"redlock_metrics: port must be 1-65535, got {port!r}")
+    return host.strip("[]"), port
 
 
 def wait_timeout_setting(name: str, value: object) -> float:
     """How long a contended run may wait in its worker (``lock_contended="wait"``): finite and
     above 0. No "for ever": the run keeps its worker slot while it waits."""
     return number(name, value, above=0, unit="seconds", why="a waiting run keeps its worker slot")
+
+
+def enqueue_mode(name: str, value: object) -> str | None:
+    """What a publish does when its key is taken (``lock_enqueue``): one of ``ENQUEUE_MODES``, or
+    None for no marker at publish (``False`` says so too, where None means "the app's")."""
+    if value is None or value is False:
+        return None
+    return choice(name, value, ENQUEUE_MODES)
 
 
 def new_redlock(settings: RedlockSettings) -> Redlock:

@@ -11,6 +11,10 @@ timings in seconds:
   from the heartbeat thread, not the task's own.
 - ``lock_released(key, task_id, held_for, state, expire)``: after the body; ``expire`` is true
   when the lock was left to expire (``lock_release="on_expiry"``) rather than deleted.
+- ``enqueue_deduplicated(key, task_id, existing, mode)``: a publish with ``lock_enqueue`` found its
+  key queued or running as task ``existing`` (None if its holder records no task id) and sent
+  nothing; ``task_id`` is the id the call would have had, ``mode`` what the caller got
+  (``return_existing`` or ``raise``). Sent in the publishing process.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from celery.utils.dispatch import Signal
 
 lock_acquired = Signal(
     name="lock_acquired",
-    providing_args={"key", "task_id", "token", "ttl", "validity", "elapsed"},
+    providing_args={"key", "task_id", "token", "ttl", "validity", "elapsed", "fence"},
 )
 lock_contended = Signal(
     name="lock_contended",
@@ -31,4 +35,9 @@ lock_released = Signal(
     providing_args={"key", "task_id", "held_for", "state", "expire"},
 )
 
-__all__ = ["lock_acquired", "lock_contended", "lock_lost", "lock_released"]
+enqueue_deduplicated = Signal(
+    name="enqueue_deduplicated",
+    providing_args={"key", "task_id", "existing", "mode"},
+)
+
+__all__ = ["enqueue_deduplicated", "lock_acquired", "lock_contended", "lock_lost", "lock_released"]

@@ -40,12 +40,13 @@ from celery.states import RETRY, SUCCESS
 from .._fork import pid
 from .._validate import choice, count, flag, number
 from ..errors import ConfigError, LockNotAcquired, NotLocked
+from ..lock.admin import describe_holder
 from ..lock.heartbeat import process_heartbeat
 from ..lock.owner import close_scope, open_scope
 from ..lock.reentrant import ReentrantLock, forget_holding
 from ..lock.resource import Lock
+from . import enqueue, hooks, signals
 from . import held as registry
-from . import hooks, signals
 from .held import Held
 from .keys import KeySpec, LockKey, compile_lock_key
 from .settings import (
@@ -79,6 +80,7 @@ class LockOptions:
     ttl: float
     contended: str
     reentrant: bool
+    fenced: bool
     wait_timeout: float
     retry_backoff: float
     retry_backoff_max: float
@@ -118,6 +120,8 @@ class RedlockTaskMixin:
     lock_ttl: float | None = None
     lock_contended: str | None = None
     lock_reentrant: bool | None = None
+    # True: every grant carries a fence (self.redlock.fence) the resource can check; see fenced.py.
+    lock_fenced: bool | None = None
     lock_wait_timeout: float | None = None
     lock_retry_backoff: float | None = None
     lock_retry_backoff_max: float | None = None
@@ -127,6 +131,8 @@ class RedlockTaskMixin:
     lock_max_hold: float | None = None
     lock_release: str = "on_return"
     lock_slot: Any = None
+    lock_enqueue: str | bool | None = None
+    lock_enqueue_ttl: float | None = None
 
     _redlock_key: LockKey | None = None
     _redlock_options: tuple[int, LockOptions] | None = None
@@ -179,6 +185,29 @@ class RedlockTaskMixin:
         if traced and not self._redlock_custom_call:
             return self.run(*args, **kwargs)  # type: ignore[attr-defined]
         return super().__call__(*args, **kwargs)  # type: ignore[misc]
+
+    # -- publish (see enqueue.py) -----------------------------------------------------------------
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; with ``lock_enqueue``, a call whose resource is already
+        queued or running publishes nothing (see :mod:`.enqueue`)."""
+        if self.lock_enqueue is False:
+            return super().apply_async(args, kwargs, task_id, **options)  # type: ignore[misc]
+        return enqueue.apply_async(self, super().apply_async, args, kwargs, task_id, options)  # type: ignore[misc]
+
+    def is_queued(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether a task is queued or running for the resource these arguments name (one
+        round to the masters; nothing is published)."""
+        return enqueue.is_queued(self, args, kwargs)
+
+    def queued_task_id(self, *args: Any, **kwargs: Any) -> str | None:
+        """The id of the task queued or running for the resource these arguments name, or None."""
+        return enqueue.queued_task_id(self, args, kwargs)
 
     # -- the current execution's lock -------------------------------------------------------------
     @property
@@ -264,15 +293,22 @@ class RedlockTaskMixin:
         if options.slot is not None:
             name = f"{name}{SLOT_SEPARATOR}{self._redlock_slot(request, options.slot)}"
         # Who holds it, stored beside the token in the same SET: a contender tells an earlier
-        # attempt of its own task from a duplicate, and an operator sees host, pid and since.
-        holder = f'{{"task":{json.dumps(task_id)},"host":{_HOST},"pid":{pid()},"since":{time.time():.3f}}}'
+        # attempt of its own task from a duplicate, and an operator sees which task, where,
+        # since when and for how long a TTL (the record lock.admin reads; see Holder there).
+        holder = (
+            f'{{"task":{json.dumps(task_id)},"name":{_json_name(self)},"host":{_HOST},"pid":{pid()},'
+            f'"since":{time.time():.3f},"ttl":{options.ttl:g}}}'
+        )
         lock: Lock | ReentrantLock
         if options.reentrant:
             # This execution is one owner: code its body calls re-enters through app_redlock(app).
             setattr(request, _SCOPE_ATTR, open_scope())
             lock = redlock.lock(name, options.ttl, holder=holder, reentrant=True)
+        elif options.fenced:
+            lock = redlock.lock(name, options.ttl, holder=holder, fenced=True)
         else:
-            lock = redlock.lock(name, options.ttl, holder=holder)
+            # Taken over from its message's marker, if it carries one (lock_enqueue).
+            lock = enqueue.run_lock(redlock, request, name, options.ttl, holder)
         started = time.monotonic()
         if lock.acquire(blocking=False):
             self._redlock_hold(lock, task_id, options, started)
@@ -319,6 +355,7 @@ class RedlockTaskMixin:
                 ttl=lock.ttl,
                 validity=lock.validity,
                 elapsed=held.acquired_at - started,
+                fence=lock.fence if lock.fenced else None,
             )
         logger.debug("task %s[%s] acquired %s", self.name, task_id, lock.name)
 
@@ -403,6 +440,7 @@ class RedlockTaskMixin:
             # Off the usual path: one more round, only when the answer changes what happens.
             text = lock.redlock.holder(name)
             holder = _holder_task(text)
+            error = _naming_holder(error, text)
             if text is None and policy != "exhausted":
                 # Gone between the two rounds (released, expired): no one to skip or fail for,
                 # so this is a contended try like any other, retried.
@@ -508,6 +546,7 @@ class RedlockTaskMixin:
                 elapsed=error.elapsed,
                 validity=error.validity,
                 quorum=error.quorum,
+                holder=error.holder,
             )
         logger.warning("task %s[%s] failed: lock %s %s", self.name, task_id, name, why)
         raise error
@@ -574,7 +613,10 @@ class RedlockTaskMixin:
             countdown=0.0,
             error=error,
         )
-        holder = _holder_task(lock.redlock.holder(lock.name)) if error.held_by_other else None
+        holder = None
+        if error.held_by_other:
+            text = lock.redlock.holder(lock.name)
+            holder, error = _holder_task(text), _naming_holder(error, text)
         self._redlock_give_up(task_id, lock.name, policy, why, attempt, error, holder)
 
     def _redlock_retry(self, attempt: int, countdown: float, error: LockNotAcquired) -> Retry:
@@ -583,7 +625,7 @@ class RedlockTaskMixin:
         headers = dict(getattr(request, "headers", None) or {})
         headers[ATTEMPT_HEADER] = attempt
         # The retried run keeps the slot of the original message, whatever time it runs at.
-        for name in (SLOT_HEADER, PUBLISHED_HEADER):
+        for name in (SLOT_HEADER, PUBLISHED_HEADER, enqueue.MARKER_HEADER):
             value = _header(request, name)
             if value is not None:
                 headers[name] = value
@@ -632,7 +674,7 @@ class RedlockTaskMixin:
             forget_holding(held.lock)
             _close_scope(self.request)
         expire = held.expire and state == SUCCESS
-        if not expire:
+        if not expire and not enqueue.hand_back(self.request, held):
             # A retried run's copy may be taken by another worker at once: no lingering.
             held.lock.release(linger=linger and held.linger and state != RETRY)
         if signals.lock_released.receivers:
@@ -723,6 +765,31 @@ def _guard_call(own_call: Callable[..., Any]) -> Callable[..., Any]:
     return __call__
 
 
+def _json_name(task: Any) -> str:
+    """The task's name as a JSON string, made once per task class (it goes into every holder)."""
+    cls = type(task)
+    cached = cls.__dict__.get("_redlock_json_name")
+    if cached is None or cached[0] != task.name:
+        cached = (task.name, json.dumps(task.name))
+        setattr(cls, "_redlock_json_name", cached)  # noqa: B010 - on the class, not the instance
+    return str(cached[1])
+
+
+def _naming_holder(error: LockNotAcquired, text: str | None) -> LockNotAcquired:
+    """``error`` naming who holds the lock, when a quorum agreed on one (``text``)."""
+    if text is None:
+        return error
+    return LockNotAcquired(
+        error.resource,
+        error.votes,
+        attempts=error.attempts,
+        elapsed=error.elapsed,
+        validity=error.validity,
+        quorum=error.quorum,
+        holder=describe_holder(text),
+    )
+
+
 def _holder_task(holder: str | None) -> str | None:
     """The task id in a lock's holder text (see _redlock_acquire), if one is there."""
     if not holder:
@@ -776,12 +843,17 @@ def _check_static_options(cls: type[RedlockTaskMixin], task_name: str) -> None:
         count(name("lock_max_retries"), cls.lock_max_retries)
     if cls.lock_reentrant is not None:
         flag(name("lock_reentrant"), cls.lock_reentrant)
+    if cls.lock_fenced is not None:
+        flag(name("lock_fenced"), cls.lock_fenced)
+        if cls.lock_fenced and cls.lock_reentrant:
+            raise ConfigError(f"task {task_name!r}: lock_fenced cannot be combined with lock_reentrant=True")
     if cls.lock_wait_timeout is not None:
         wait_timeout_setting(name("lock_wait_timeout"), cls.lock_wait_timeout)
     if cls.lock_contended is not None:
         choice(name("lock_contended"), cls.lock_contended, CONTENDED_POLICIES)
     choice(name("lock_release"), cls.lock_release, RELEASE_POLICIES)
     flag(name("lock_heartbeat"), cls.lock_heartbeat)
+    enqueue.check_task_options(cls, task_name)
     if cls.lock_slot not in (None, True):
         from .slots import slot_time
 
@@ -810,6 +882,7 @@ def _resolve_options(task: RedlockTaskMixin, settings: RedlockSettings) -> LockO
         ttl=float(ttl),
         contended=task.lock_contended or settings.contended,
         reentrant=task.lock_reentrant if task.lock_reentrant is not None else settings.reentrant,
+        fenced=task.lock_fenced if task.lock_fenced is not None else settings.fenced,
         wait_timeout=task.lock_wait_timeout if task.lock_wait_timeout is not None else settings.wait_timeout,
         retry_backoff=(
             task.lock_retry_backoff if task.lock_retry_backoff is not None else settings.retry_backoff
@@ -918,4 +991,7 @@ def check_app(app: Any) -> list[str]:
 
 def _connect_hooks() -> None:
     """The worker and publish hooks, connected once a locked task is defined."""
-    hooks.connect((celery_signals.worker_init, startup_checks))
+    hooks.connect(
+        (celery_signals.worker_init, startup_checks),
+        (celery_signals.task_revoked, enqueue.release_revoked_marker),
+    )

@@ -11,4 +11,5 @@
 - :mod:`.waiting`: which poll the core waits on its sockets with (plain or green);
 - :mod:`.heartbeat`: the per-process thread that keeps held locks alive;
 - :mod:`.linger`: releases that travel with the process's next round.
+- :mod:`.admin`: the operators' tools (list, show, force-release, health) over the same rounds.
 """

@@ -35,6 +35,18 @@ from .resource import Lock
 logger = logging.getLogger("celery_redlock.heartbeat")
 
 OnLost = Callable[[Lock, str], None]
+# Told of every beat, after it: how late the beat began after its first lock came due (seconds),
+# and for each lock extended, (the lock, the validity it had left just before, extended or not).
+# For metrics (celery_redlock.celery.metrics); with none set, a beat pays one global read.
+BeatObserver = Callable[[float, list[tuple[Lock, float, bool]]], None]
+_observer: BeatObserver | None = None
+
+
+def observe_beats(observer: BeatObserver | None) -> None:
+    """Tell ``observer`` of every beat of every heartbeat in this process (None: stop)."""
+    global _observer
+    _observer = observer
+
 
 # After a failed extension, try again after this fraction of the validity left (at least
 # MIN_RETRY seconds), so a passing fault does not cost the lock.
@@ -100,6 +112,7 @@ class Heartbeat:
         # When the sleeping thread will next look at the queue (0 while it is awake, inf when it
         # waits to be told): keep() wakes it only for a lock due before then.
         self._sleep_until = 0.0
+        self._lag = 0.0  # how late the last beat began after its first lock came due
 
     def _after_fork_in_child(self) -> None:
         # The locks kept are the parent's: the child must never extend them, and has no thread
@@ -222,6 +235,7 @@ class Heartbeat:
             while queue and queue[0][2].done:
                 dropped_until = heapq.heappop(queue)[0]
             if queue and queue[0][0] <= current:
+                self._lag = current - queue[0][0]
                 due = []
                 # An entry taken early is extended at most BATCH_WINDOW of its interval early.
                 while queue and (
@@ -249,9 +263,12 @@ class Heartbeat:
             lock = self._to_extend(entry)
             if lock is not None:
                 groups.setdefault(lock.redlock, []).append((entry, lock))
+        observer = _observer
+        seen: list[tuple[Lock, float, bool]] = []
         for redlock, group in groups.items():
             for start in range(0, len(group), MAX_BATCH):
                 batch = group[start : start + MAX_BATCH]
+                left = [lock.validity for _, lock in batch] if observer is not None else []
                 try:
                     extended = redlock.extend_many([lock for _, lock in batch])
                 except Exception:  # a bug here must not cost the locks their retries
@@ -259,6 +276,13 @@ class Heartbeat:
                     extended = [False] * len(batch)
                 for (entry, lock), ok in zip(batch, extended, strict=True):
                     self._after_extension(entry, lock, ok)
+                if observer is not None:
+                    seen.extend(zip((lock for _, lock in batch), left, extended, strict=True))
+        if observer is not None and seen:
+            try:
+                observer(self._lag, seen)
+            except Exception:
+                logger.exception("the heartbeat's observer failed")
 
     def _to_extend(self, entry: _Entry) -> Lock | None:
         """The entry's lock if it is to be extended now; otherwise settles the entry."""

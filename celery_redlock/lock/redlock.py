@@ -35,6 +35,7 @@ from ..errors import ConfigError, Vote
 from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .fair import FairLock
+from .fencing import FencedLock
 from .linger import Lingering
 from .masters import (
     GRANTED,
@@ -99,6 +100,7 @@ class Redlock:
         release_linger: float = 0.0,
         wait: str = "release",
         wait_poll: float | None = None,
+        fence_retention: float = 86400.0,
     ) -> None:
         if isinstance(masters, (str, bytes)):
             masters = [masters]
@@ -132,6 +134,16 @@ class Redlock:
             unit="seconds",
             why="at least request_timeout: a fallback try must have time to finish",
         )
+
+        # How long a name's fence counter outlives its last fenced grant (see fencing.py): once it
+        # has expired, the clock floor is a whole retention past the last fence recorded.
+        self.fence_retention = number("fence_retention", fence_retention, above=0, unit="seconds")
+        if self.fence_retention < 3600:
+            message = (
+                f"fence_retention {self.fence_retention:g} s is under an hour: a counter that expires "
+                "falls back to a master's clock, which may be behind the clock that issued the last fence"
+            )
+            warnings.warn(message, RedlockWarning, stacklevel=2)
 
         self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
         refuse_shared_servers(self.masters)
@@ -188,6 +200,7 @@ class Redlock:
         holder: str = "",
         reentrant: Literal[False] = False,
         fair: bool = False,
+        fenced: bool = False,
     ) -> Lock: ...
 
     @overload
@@ -201,6 +214,7 @@ class Redlock:
         holder: str = "",
         reentrant: Literal[True],
         fair: Literal[False] = False,
+        fenced: Literal[False] = False,
     ) -> ReentrantLock: ...
 
     def lock(
@@ -213,6 +227,7 @@ class Redlock:
         holder: str = "",
         reentrant: bool = False,
         fair: bool = False,
+        fenced: bool = False,
     ) -> Lock | ReentrantLock:
         """A :class:`Lock` for one resource. Nothing is sent until it is acquired.
 
@@ -227,9 +242,19 @@ class Redlock:
         ``fair=True``: a :class:`~celery_redlock.lock.fair.FairLock`, whose waiters queue on the
         masters and take the lock in arrival order, each woken alone by the release before it.
         Not combined with ``reentrant``.
+
+        ``fenced=True``: a :class:`~celery_redlock.lock.fencing.FencedLock`, whose every grant
+        carries ``lock.fence``, an int above the fence of every earlier grant of the name, for the
+        resource to refuse a paused holder's late write (:mod:`celery_redlock.fenced`). Costs a
+        second round per grant. Not combined with ``reentrant`` or ``fair``.
         """
-        if fair is not False and fair is not True:
-            raise ConfigError(f"fair must be True or False, got {fair!r}")
+        for option, value in (("fair", fair), ("fenced", fenced)):
+            if value is not False and value is not True:
+                raise ConfigError(f"{option} must be True or False, got {value!r}")
+        if fenced:
+            if reentrant is not False or fair:
+                raise ConfigError("fenced=True cannot be combined with reentrant=True or fair=True")
+            return FencedLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
         if fair:
             if reentrant is not False:
                 raise ConfigError("fair=True cannot be combined with reentrant=True")

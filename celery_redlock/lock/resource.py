@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._fork import on_fork_in_child, pid
 from .._validate import wait_timeout
-from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, RedlockError, Vote
+from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, NotFenced, RedlockError, Vote
 from .clock import now
 from .commands import PLAIN, PLAIN_WAITING, Commands
 
@@ -110,6 +110,7 @@ class Lock:
     # attempts send while it waits (refusals then answer the holder's PTTL).
     _commands: Commands = PLAIN
     _waiting_commands: Commands = PLAIN_WAITING
+    fenced = False  # whether grants carry a fence (see fencing.py)
 
     def __init__(
         self,
@@ -168,6 +169,15 @@ class Lock:
         """The token this process holds the lock by (None if it does not hold it): 40 random hex
         digits, unique per acquisition, then ``HOLDER_SEPARATOR`` and the holder text if any."""
         return self._token if self._owner == pid() else None
+
+    @property
+    def fence(self) -> int | None:
+        """A fenced lock's fence (see :mod:`.fencing`); on any other lock :class:`NotFenced`,
+        rather than a None that would only fail later, inside the user's write."""
+        raise NotFenced(
+            f"lock {self.name!r} was not taken with fenced=True, so it has no fence: pass fenced=True "
+            "to Redlock.lock(), or set lock_fenced=True on the task (redlock_fenced app-wide)"
+        )
 
     @property
     def validity(self) -> float:

@@ -273,3 +273,194 @@ end
 return deleted
 """,
 )
+
+
+# -- fenced locks (see fencing.py) ----------------------------------------------------------------
+# Beside the lock key, KEYS[2] (<lock key>~fence) is this master's fence counter for the name: a
+# decimal integer, never lowered. Fences are microseconds-scale integers (~1.7e15 < 2^53), which
+# Lua's doubles hold exactly; Lua never formats one (Lua 5.1 would print 1.7e+15): the client does.
+
+# FENCED_ACQUIRE (a fenced lock's attempt; still one command per master)
+#   KEYS[1]  the lock key
+#   KEYS[2]  its fence counter
+#   ARGV[1]  the token
+#   ARGV[2]  the ttl in milliseconds
+#   returns  0 if the lock key exists (refused, nothing written); else, the key now set,
+#            max(counter, this master's clock in microseconds): an integer > 0. The clock is the
+#            floor that keeps fences growing across a master that restarted without its counter.
+# SET comes before TIME: no write follows a non-deterministic command (scripts before Redis 5).
+FENCED_ACQUIRE = Script(
+    "fenced_acquire",
+    """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return 0
+end
+local time = redis.call('TIME')
+local c = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local stored = tonumber(redis.call('GET', KEYS[2]) or '0')
+if stored == nil then
+    return redis.error_reply('ERR fence counter ' .. KEYS[2] .. ' is not an integer')
+end
+if stored > c then
+    c = stored
+end
+return c
+""",
+)
+
+# FENCE_WRITE_BACK (record the grant's fence, but only while the lock is still the grant's)
+#   KEYS[1]  the lock key
+#   KEYS[2]  its fence counter
+#   ARGV[1]  the token that must hold KEYS[1]
+#   ARGV[2]  the fence, in decimal
+#   ARGV[3]  the counter's retention in milliseconds
+#   returns  1 if KEYS[1] holds ARGV[1] and the counter is now >= ARGV[2] (its retention
+#            renewed); 0 if KEYS[1] is absent or another token's (nothing written)
+# The token check is what lets a late write-back run harmlessly: after our interval on this
+# master it is a no-op, inside it it only raises the counter.
+FENCE_WRITE_BACK = Script(
+    "fence_write_back",
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+local stored = tonumber(redis.call('GET', KEYS[2]) or '0')
+if stored == nil or stored < tonumber(ARGV[2]) then
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+else
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return 1
+""",
+)
+
+
+# -- fenced resources (celery_redlock/fenced.py; sent to a data server, never to a lock master) ----
+# A Redis key guarded by fences: KEYS[1] the data key, KEYS[2] the highest fence it has seen. A
+# fence is compared as a number and stored as the client wrote it.
+
+# FENCED_READ (claim the key for a fence, then read it)
+#   KEYS[1]  the data key
+#   KEYS[2]  its fence key
+#   ARGV[1]  the fence, in decimal
+#   returns  {1, value} (value false when the key is absent) after raising the stored fence to
+#            ARGV[1]; {0, stored fence} if a higher fence has been seen (nothing written)
+FENCED_READ = Script(
+    "fenced_read",
+    """
+local stored = redis.call('GET', KEYS[2])
+if stored and tonumber(stored) > tonumber(ARGV[1]) then
+    return {0, stored}
+end
+redis.call('SET', KEYS[2], ARGV[1])
+return {1, redis.call('GET', KEYS[1])}
+""",
+)
+
+# FENCED_WRITE (write the key under a fence)
+#   KEYS[1]  the data key
+#   KEYS[2]  its fence key
+#   ARGV[1]  the fence, in decimal
+#   ARGV[2]  the value
+#   ARGV[3]  the value's ttl in milliseconds, or '0' for none
+#   returns  {1} after setting the value and the fence; {0, stored fence} if a higher fence has
+#            been seen (nothing written)
+FENCED_WRITE = Script(
+    "fenced_write",
+    """
+local stored = redis.call('GET', KEYS[2])
+if stored and tonumber(stored) > tonumber(ARGV[1]) then
+    return {0, stored}
+end
+redis.call('SET', KEYS[2], ARGV[1])
+if ARGV[3] == '0' then
+    redis.call('SET', KEYS[1], ARGV[2])
+else
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+end
+return {1}
+""",
+)
+
+
+# -- operations (admin.py) ------------------------------------------------------------------------
+# Read-only but for the health probe's own throwaway key; run only by the operators' tools, never
+# on a lock's path. Release by an operator sends RELEASE / R_RELEASE above, by the exact token.
+
+# INSPECT (what one master holds under a lock key, in one atomic look)
+#   KEYS[1]  the lock key
+#   KEYS[2]  its fair-lock queue (``<lock key>:queue``, a ZSET while anyone waits in it)
+#   returns  {type, pttl, queue length, ...}: type is TYPE's answer ('none', 'string', 'hash',
+#            ...); pttl is PTTL's (-2 absent, -1 no TTL); queue length is the ZCARD of KEYS[2] (0
+#            when it is no ZSET); then, for a string, its value; for a hash, its fields and values
+#            in turn ({token, count, ...}: a reentrant lock); for any other type, nothing
+INSPECT = Script(
+    "inspect",
+    """
+local kind = redis.call('TYPE', KEYS[1]).ok
+local queued = 0
+if redis.call('TYPE', KEYS[2]).ok == 'zset' then
+    queued = redis.call('ZCARD', KEYS[2])
+end
+local out = {kind, redis.call('PTTL', KEYS[1]), queued}
+if kind == 'string' then
+    out[4] = redis.call('GET', KEYS[1])
+elseif kind == 'hash' then
+    local fields = redis.call('HGETALL', KEYS[1])
+    for i = 1, #fields do
+        out[3 + i] = fields[i]
+    end
+end
+return out
+""",
+)
+
+
+# -- enqueue markers (celery/enqueue) -------------------------------------------------------------
+# A task with ``lock_enqueue`` takes its lock key when it is published, as a *marker*: a plain lock
+# value (``<token>|<holder>``, the holder naming the queued task) set by the usual ``SET NX PX``.
+# The message carries the marker's value; its run takes the key over with HANDOVER, and a run that
+# re-published itself (``self.retry()``) gives the key back to the new message's marker with
+# REQUEUE. Each swaps one holder's value for the other's in one step on each master: there is no
+# moment at which a master holds neither (no gap), and a run is never refused by its own marker.
+
+# HANDOVER (a run takes its key: free, or held by the marker its own message carries)
+#   KEYS[1]  the lock key
+#   ARGV[1]  the run's token (the value it holds the key by from now on)
+#   ARGV[2]  the ttl in milliseconds
+#   ARGV[3]  the marker's value, as the message carries it
+#   returns  +OK if the key was absent or held ARGV[3], and now holds ARGV[1] with the ttl (as
+#            SET NX PX answers); else the key's PTTL, as ACQUIRE_WAIT answers a refusal
+# Compared on the marker's whole value, never on the task id: a redelivered copy of a message
+# whose run already took the key over finds the run's token there, and waits like any contender.
+HANDOVER = Script(
+    "handover",
+    """
+local held = redis.call('GET', KEYS[1])
+if held == false or held == ARGV[3] then
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    return redis.status_reply('OK')
+end
+return redis.call('PTTL', KEYS[1])
+""",
+)
+
+# REQUEUE (a run gives its key back to the marker of the message it re-published itself as)
+#   KEYS[1]  the lock key; also the channel the swap is published on
+#   ARGV[1]  the run's token
+#   ARGV[2]  the new marker's value
+#   ARGV[3]  the marker's ttl in milliseconds
+#   returns  1 if the key held ARGV[1] and now holds ARGV[2] with the ttl, else 0
+# The PUBLISH wakes the re-published copy if it is already waiting (lock_contended="wait") for
+# the key its marker now holds; any other waiter wakes, is refused, and sleeps again.
+REQUEUE = Script(
+    "requeue",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+    redis.call('PUBLISH', KEYS[1], '*')
+    return 1
+end
+return 0
+""",
+)

@@ -1,0 +1,184 @@
+"""Fencing tokens from the quorum: ``Redlock.lock(name, fenced=True)``.
+
+A lock with expiry cannot stop a holder that pauses (a GC, SIGSTOP, a slow disk) after its last
+check and writes after its lease ended; only the resource can, by refusing a number lower than
+one it has already seen. So each fenced grant gets a *fence*, an integer strictly greater than
+the fence of every earlier grant of the same name, and the resource keeps the highest it saw
+(see :mod:`celery_redlock.fenced` for a SQL row and a Redis key).
+
+**How.** Each master keeps a counter for the name beside the lock key (``<key>~fence``).
+
+1. Round 1 (``FENCED_ACQUIRE``, one script per master): ``SET NX PX``, and where it was set,
+   answer ``c = max(counter, the master's clock in µs)``. Q = the masters that granted.
+2. ``F = max(c over Q) + 1``. Round 2 (``FENCE_WRITE_BACK``), to Q only: raise the counter to F,
+   but only while the lock key still holds our token. W = the masters of Q that did.
+3. Granted iff |Q| and |W| are quorums and validity is left, counted from before round 1.
+
+**Why the fence only grows** (assumptions: Q and W are quorums of distinct masters; each master
+runs a script atomically and holds one token per key at a time; a counter never goes below a
+fence it acknowledged, because of ``appendfsync always`` or because a master that lost its data
+comes back with a clock floor above the fences it had): for grants A and B, W_A and W_B share a
+master m. On m the two grants' intervals are disjoint; say A's came first. A's write-back ran in
+A's interval (it checks the token), so from then on m's counter is >= F_A. B's acquire script on m
+read the counter in the same step that set B's key, after A's interval: it read >= F_A, and m is
+in Q_B (W_B is a subset of Q_B, since round 2 goes only to Q), so F_B >= F_A + 1. With the lock's
+own timing assumptions (bounded clock drift, delayed restarts), this order is also real time: a
+grant that returned before another began has the smaller fence.
+
+**What each rule is for.** The counter is read inside the acquire script (read earlier, it could
+precede the end of the previous holder's interval); the write-back goes only to Q (a master
+outside Q could be in W without its reading counted); it checks the token (else a late write-back
+needs timing to be harmless); W must be a quorum (a fence recorded by a minority is not recorded:
+a later quorum may miss it).
+
+**What breaks it** (outside the assumptions): a master that loses its counter (no fsync,
+FLUSHALL, eviction) while its clock is behind the clock that issued recent fences by more than
+its downtime; a counter retained (``fence_retention``) for less than the worst clock error; two
+lock names, or two master sets, guarding one resource. A clock stepped forward makes fences jump
+ahead and stay there: still increasing.
+
+**Cost.** Two round trips per grant instead of one; a refused first round costs what an unfenced
+attempt does. Extensions and the heartbeat do not touch the counter. Fences grow by at least one
+per grant, not by exactly one: retries and failed write-backs leave gaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._fork import pid
+from ..errors import RedlockError, Vote
+from . import scripts
+from .clock import now
+from .commands import RELEASE, milliseconds
+from .masters import Command, Outcome, script_template
+from .resource import Lock
+
+if TYPE_CHECKING:
+    from .redlock import Redlock
+
+ACQUIRE = script_template(scripts.FENCED_ACQUIRE, 2, 2)  # key counter token <ms>
+WRITE_BACK = script_template(scripts.FENCE_WRITE_BACK, 2, 3)  # key counter token fence <ms>
+
+# The suffix of a lock key's fence counter; lock names may not end in it.
+COUNTER_SUFFIX = "~fence"
+# Fences must stay exact in Lua's doubles (a master clock past the year 2255 would pass it).
+MAX_FENCE = 2**53
+
+
+def try_acquire_fenced(
+    redlock: Redlock, key: str, token: str, ttl: float
+) -> tuple[float, list[Vote], float, int]:
+    """One fenced attempt: (validity, votes, elapsed, fence); validity > 0 means acquired.
+
+    Both rounds run in one ``Round``, on the same links, so a retraction always travels behind
+    whatever of ours it must follow. The votes of a failure are round 2's for the masters of Q
+    (a fence write-back refused or late) and round 1's for the others.
+    """
+    counter = key + COUNTER_SUFFIX
+    n = len(redlock.masters)
+    acquire = ACQUIRE.pack(key, counter, token, milliseconds(ttl))
+    release = RELEASE.pack(key, token)
+    t_start = now()
+    with redlock._round() as rnd:
+        first = rnd.call([acquire] * n, redlock.request_timeout)
+        votes = _votes(redlock, first, _is_counter)
+        granted = [i for i, vote in enumerate(votes) if vote.kind == "yes"]
+        if len(granted) < redlock.quorum or ttl - (now() - t_start) - redlock.drift(ttl) <= 0:
+            # As any failed attempt: every master but those that refused gets the retraction.
+            retract = [None if v.kind == "held" else release for v in votes]
+            if any(retract):
+                rnd.send(retract, redlock.request_timeout)
+            return 0.0, votes, now() - t_start, 0
+        fence = max(first[i].value for i in granted) + 1
+        if fence >= MAX_FENCE:
+            rnd.send([None if v.kind == "held" else release for v in votes], redlock.request_timeout)
+            raise RedlockError(f"fence {fence} for {key!r} is past 2^53: a master's clock is far ahead")
+        write_back = WRITE_BACK.pack(key, counter, token, str(fence), milliseconds(redlock.fence_retention))
+        # Round 2 goes to Q only; a master late in round 1 gets its retraction in the same call,
+        # queued behind its late SET (its outcome is not waited for), and so does one that
+        # answered an error (the script may have set the key before it failed).
+        second: list[Command | None] = [
+            write_back if i in granted else (None if votes[i].kind == "held" else release) for i in range(n)
+        ]
+        outcomes = rnd.call(second, redlock.request_timeout)
+        elapsed = now() - t_start
+        recorded = [i for i in granted if outcomes[i].kind == "ok" and outcomes[i].value == 1]
+        for i in granted:
+            outcome = outcomes[i]
+            if outcome.kind == "ok":
+                votes[i] = Vote(redlock.masters[i].name, "yes" if outcome.value == 1 else "held")
+            else:
+                votes[i] = Vote(redlock.masters[i].name, outcome.kind, outcome.detail)
+        validity = ttl - elapsed - redlock.drift(ttl)
+        if len(recorded) >= redlock.quorum and validity > 0:
+            return validity, votes, elapsed, fence
+        # The fence reached too few masters (or the time ran out): a failed attempt. The masters
+        # that recorded F keep it (raising a counter is always safe): a gap in the fences.
+        retract = [None if v.kind == "held" and i not in granted else release for i, v in enumerate(votes)]
+        rnd.send(retract, redlock.request_timeout)
+    return 0.0, votes, elapsed, 0
+
+
+def _is_counter(value: object) -> bool:
+    """A FENCED_ACQUIRE grant: the master's counter value, an int > 0 (a refusal answers 0)."""
+    return isinstance(value, int) and value > 0
+
+
+def _votes(redlock: Redlock, outcomes: list[Outcome], granted: Callable[[Any], bool]) -> list[Vote]:
+    votes = []
+    for master, outcome in zip(redlock.masters, outcomes, strict=True):
+        if outcome.kind == "ok":
+            votes.append(Vote(master.name, "yes" if granted(outcome.value) else "held"))
+        else:
+            votes.append(Vote(master.name, outcome.kind, outcome.detail))
+    return votes
+
+
+class _Grant:
+    """One acquire call's fence, set by its successful attempt."""
+
+    __slots__ = ("fence",)
+
+    def __init__(self) -> None:
+        self.fence = 0
+
+
+class FencedLock(Lock):
+    """A :class:`Lock` whose every grant carries a :attr:`fence` (see the module docstring)."""
+
+    fenced = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.key.endswith(COUNTER_SUFFIX):
+            raise RedlockError(f"lock name {self.name!r} ends in {COUNTER_SUFFIX!r}")
+        self._fence: int | None = None
+        self._fence_owner = 0
+
+    @property
+    def fence(self) -> int | None:
+        """The fence of this lock's current grant: an int strictly above every earlier grant's
+        fence of the same name. None before the first grant, after ``release()`` and in a forked
+        child; kept after the lock is lost or expired (judging a stale fence is the resource's
+        job)."""
+        return self._fence if self._fence_owner == pid() else None
+
+    def _entry(self) -> Any:
+        return _Grant()
+
+    def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Any
+    ) -> tuple[float, list[Vote], float]:
+        validity, votes, elapsed, fence = try_acquire_fenced(self.redlock, self.key, token, self.ttl)
+        entry.fence = fence
+        return validity, votes, elapsed
+
+    def _granted(self, entry: Any) -> None:
+        self._fence = entry.fence
+        self._fence_owner = pid()
+
+    def _release_command(self, token: str) -> Command | None:
+        self._fence = None
+        return None

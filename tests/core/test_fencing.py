@@ -1,0 +1,230 @@
+"""Fencing tokens from the quorum (issue 17), on real masters.
+
+Invariants attacked here:
+- every fenced grant of a name has a fence strictly above every earlier grant's: in sequence,
+  between contending clients in threads and processes (checked in real time: a grant that
+  returned before another began has the smaller fence), and across masters emptied (a minority,
+  or all of them: the clock floor) between grants;
+- the write-back is the grant's own: a write-back with another token writes nothing, a counter is
+  never lowered, and a refused first round writes no counter;
+- ``lock.fence`` is None before a grant, after a release and in a forked child, kept after the
+  lock is lost; an unfenced lock raises NotFenced; an extension keeps the fence;
+- a fenced grant is two rounds, an unfenced one still one command per master.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+
+import pytest
+
+from celery_redlock import ConfigError, NotFenced, Redlock
+from celery_redlock.lock import scripts
+from celery_redlock.lock.fencing import COUNTER_SUFFIX, FencedLock
+from celery_redlock.testing import ServerSet
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def counters(masters: ServerSet, name: str) -> list[int | None]:
+    found = []
+    for server in masters:
+        client = server.client()
+        try:
+            value = client.get(f"redlock:{name}{COUNTER_SUFFIX}")
+        finally:
+            client.close()
+        found.append(None if value is None else int(value))
+    return found
+
+
+def test_fences_increase_grant_after_grant(rl: Redlock, masters: ServerSet) -> None:
+    fences = []
+    for _ in range(20):
+        lock = rl.lock("seq", ttl=5, fenced=True)
+        assert lock.fence is None
+        assert lock.acquire(blocking=False), lock.last_error
+        assert isinstance(lock.fence, int)
+        fences.append(lock.fence)
+        lock.release()
+        assert lock.fence is None
+    assert fences == sorted(set(fences))
+    # Each fence is recorded on every master (a quorum at least), never above the last.
+    assert all(c == fences[-1] for c in counters(masters, "seq"))
+
+
+def test_unfenced_and_options(rl: Redlock) -> None:
+    lock = rl.lock("plain", ttl=5)
+    assert not lock.fenced
+    with pytest.raises(NotFenced, match="fenced=True"):
+        _ = lock.fence
+    with pytest.raises(ConfigError, match="fenced"):
+        rl.lock("x", fenced=1)  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match="combined"):
+        rl.lock("x", fenced=True, reentrant=True)  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match="combined"):
+        rl.lock("x", fenced=True, fair=True)
+    assert isinstance(rl.lock("x", fenced=True), FencedLock)
+
+
+def _contend(urls: list[str], name: str, until: float, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    records = []
+    with Redlock(urls, retry_count=0, request_timeout=0.2) as own:
+        while time.monotonic() < until:
+            lock = own.lock(name, ttl=2, fenced=True)
+            invoked = time.monotonic()
+            if lock.acquire(blocking=False):
+                records.append((invoked, time.monotonic(), lock.fence))
+                lock.release(linger=False)
+    out.put(records)
+
+
+def real_time_violations(records: list[tuple[float, float, int]]) -> list[tuple[object, object]]:
+    """Pairs (A, B) where A's acquire returned before B's began, yet F_A >= F_B; plus any
+    fence given twice."""
+    bad: list[tuple[object, object]] = []
+    fences = [r[2] for r in records]
+    if len(set(fences)) != len(fences):
+        bad.append(("duplicate fences", sorted(f for f in fences if fences.count(f) > 1)))
+    by_invoked = sorted(records)
+    by_acquired = sorted(records, key=lambda r: r[1])
+    best: tuple[float, float, int] | None = None
+    j = 0
+    for b in by_invoked:
+        while j < len(by_acquired) and by_acquired[j][1] < b[0]:
+            if best is None or by_acquired[j][2] > best[2]:
+                best = by_acquired[j]
+            j += 1
+        if best is not None and best[2] >= b[2]:
+            bad.append((best, b))
+    return bad
+
+
+def test_contending_processes_get_fences_in_real_time_order(masters: ServerSet) -> None:
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    until = time.monotonic() + 3
+    children = [
+        context.Process(target=_contend, args=(masters.urls, "contended", until, out)) for _ in range(3)
+    ]
+    for child in children:
+        child.start()
+    records = [record for _ in children for record in out.get(timeout=30)]
+    for child in children:
+        child.join(10)
+    assert len(records) > 30, len(records)
+    assert real_time_violations(records) == []
+
+
+def test_the_checker_finds_a_fence_out_of_real_time_order() -> None:
+    # The check above must be able to fail: A returned (t=2) before B began (t=3), F_A > F_B.
+    assert real_time_violations([(1.0, 2.0, 10), (3.0, 4.0, 9)])
+    assert real_time_violations([(1.0, 2.0, 10), (3.0, 4.0, 10)])
+    assert not real_time_violations([(1.0, 3.5, 10), (3.0, 4.0, 9)])  # overlapping calls: unordered
+
+
+def test_fences_survive_emptied_masters(rl: Redlock, masters: ServerSet) -> None:
+    lock = rl.lock("emptied", ttl=5, fenced=True)
+    assert lock.acquire(blocking=False)
+    last = lock.fence
+    lock.release()
+    for server in list(masters)[:2]:  # a minority restarted without data
+        server.flushall()
+    assert lock.acquire(blocking=False)
+    assert lock.fence is not None and last is not None and lock.fence > last
+    last = lock.fence
+    lock.release()
+    for server in masters:  # every master: only the clock floor is left
+        server.flushall()
+    assert lock.acquire(blocking=False)
+    assert lock.fence > last  # the floor, microseconds of a clock that moved on
+    lock.release()
+
+
+def test_write_back_is_the_grants_own_and_never_lowers_a_counter(masters: ServerSet) -> None:
+    client = masters[0].client()
+    try:
+        key, counter = "redlock:wb", "redlock:wb" + COUNTER_SUFFIX
+        assert client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokA", 5000) > 0
+        # Refused: the key exists; nothing written.
+        assert client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokB", 5000) == 0
+        assert client.get(counter) is None
+        # Another token's write-back writes nothing.
+        assert client.eval(scripts.FENCE_WRITE_BACK.source, 2, key, counter, "tokB", "100", 60000) == 0
+        assert client.get(counter) is None
+        assert client.eval(scripts.FENCE_WRITE_BACK.source, 2, key, counter, "tokA", "100", 60000) == 1
+        assert client.eval(scripts.FENCE_WRITE_BACK.source, 2, key, counter, "tokA", "50", 60000) == 1
+        assert client.get(counter) == b"100"  # never lowered
+        assert 0 < client.pttl(counter) <= 60000
+        # A counter above the clock floor wins the next grant's reading.
+        client.set(counter, str(2**52))
+        client.delete(key)
+        assert client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokC", 5000) == 2**52
+    finally:
+        client.close()
+
+
+def test_fence_is_kept_when_lost_and_none_in_a_forked_child(rl: Redlock, masters: ServerSet) -> None:
+    lock = rl.lock("kept", ttl=0.5, fenced=True)
+    assert lock.acquire(blocking=False)
+    fence = lock.fence
+    assert lock.extend()
+    assert lock.fence == fence  # an extension is the same interval: the same fence
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(write, b"none" if lock.fence is None else b"some")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 4) == b"none"
+    deadline = time.monotonic() + 5
+    while lock.owned() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not lock.owned()
+    assert lock.fence == fence  # lost: judging it is the resource's job
+    other = rl.lock("kept", ttl=5, fenced=True)
+    assert other.acquire(blocking=False)
+    assert other.fence is not None and fence is not None and other.fence > fence
+    other.release()
+
+
+def test_fenced_grant_is_two_rounds_unfenced_one(masters: ServerSet, rl: Redlock) -> None:
+    for server in masters:
+        server.client().config_resetstat()
+    plain = rl.lock("rounds", ttl=5)
+    assert plain.acquire(blocking=False)
+    plain.release(linger=False)
+    fenced = rl.lock("rounds2", ttl=5, fenced=True)
+    assert fenced.acquire(blocking=False)
+    for server in masters:
+        stats = server.client().info("commandstats")
+        # plain: SET + the release script; fenced: the acquire and write-back scripts.
+        assert stats["cmdstat_set"]["calls"] >= 1
+        assert stats["cmdstat_eval"]["calls"] == 3, stats["cmdstat_eval"]
+    fenced.release(linger=False)
+
+
+def test_threads_sharing_one_redlock_get_distinct_increasing_fences(rl: Redlock) -> None:
+    records: list[tuple[float, float, int]] = []
+    mutex = threading.Lock()
+    until = time.monotonic() + 2
+
+    def run() -> None:
+        while time.monotonic() < until:
+            lock = rl.lock("threads", ttl=2, fenced=True)
+            invoked = time.monotonic()
+            if lock.acquire(blocking=False):
+                with mutex:
+                    records.append((invoked, time.monotonic(), lock.fence))  # type: ignore[arg-type]
+                lock.release(linger=False)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(records) > 20
+    assert real_time_violations(records) == []
