@@ -50,7 +50,7 @@ class LockNotAcquired(RedlockError):
     attempt took and ``validity`` what would have been left of the TTL (seconds). ``holder``, when
     a quorum of masters agreed on who holds the lock and someone asked them (a contender that
     gives up, see the Celery layer), says who: ``task charge_invoice 8c1f... on worker-3 pid 4411
-    for 12.4 s`` (``lock.admin.describe_holder``); "" when unknown.
+    for 12.4 s`` (``lock.holder.describe_holder``); "" when unknown.
 
     ``args`` are exactly the constructor's arguments, in plain types: Celery's JSON result backend
     rebuilds an exception as ``cls(*args)``, and the votes must survive that trip.

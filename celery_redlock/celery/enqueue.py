@@ -63,7 +63,7 @@ from .._fork import pid
 from .._validate import number
 from ..errors import AlreadyQueued, ConfigError, LockNotAcquired
 from ..lock import markers
-from ..lock.admin import Holder
+from ..lock.holder import Holder
 from ..lock.markers import HandoverLock
 from ..lock.redlock import Redlock
 from ..lock.resource import Lock

@@ -40,8 +40,8 @@ from celery.states import RETRY, SUCCESS
 from .._fork import pid
 from .._validate import choice, count, flag, number
 from ..errors import ConfigError, LockNotAcquired, NotLocked
-from ..lock.admin import describe_holder
 from ..lock.heartbeat import process_heartbeat
+from ..lock.holder import describe_holder
 from ..lock.owner import close_scope, open_scope
 from ..lock.reentrant import ReentrantLock, forget_holding
 from ..lock.resource import Lock
@@ -294,7 +294,7 @@ class RedlockTaskMixin:
             name = f"{name}{SLOT_SEPARATOR}{self._redlock_slot(request, options.slot)}"
         # Who holds it, stored beside the token in the same SET: a contender tells an earlier
         # attempt of its own task from a duplicate, and an operator sees which task, where,
-        # since when and for how long a TTL (the record lock.admin reads; see Holder there).
+        # since when and for how long a TTL (the record lock.admin reads; see lock/holder.py).
         holder = (
             f'{{"task":{json.dumps(task_id)},"name":{_json_name(self)},"host":{_HOST},"pid":{pid()},'
             f'"since":{time.time():.3f},"ttl":{options.ttl:g}}}'

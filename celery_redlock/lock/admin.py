@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
-import json
 import logging
 import os
 import socket
@@ -52,6 +51,7 @@ from ..errors import ConfigError, RedlockError
 from . import scripts
 from .clock import now
 from .commands import EXTEND, PLAIN, REENTRANT
+from .holder import Holder
 from .masters import Command, Outcome, script_template
 from .redlock import Redlock
 from .resource import HOLDER_SEPARATOR, lock_key
@@ -95,76 +95,6 @@ class ReleaseRefused(RedlockError):
 
 
 # -- what a lock key holds ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Holder:
-    """Who took a lock, as recorded beside its token (see the module docstring)."""
-
-    text: str
-    task: str | None = None
-    name: str | None = None
-    host: str | None = None
-    pid: int | None = None
-    since: float | None = None
-    ttl: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Holder:
-        try:
-            record = json.loads(text) if text.startswith("{") else None
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
-            return cls(text)
-
-        def field(key: str, kind: type | tuple[type, ...]) -> Any:
-            value = record.get(key)
-            return value if isinstance(value, kind) and not isinstance(value, bool) else None
-
-        return cls(
-            text,
-            task=field("task", str),
-            name=field("name", str),
-            host=field("host", str),
-            pid=field("pid", int),
-            since=_float(field("since", (int, float))),
-            ttl=_float(field("ttl", (int, float))),
-        )
-
-    def age(self, at: float | None = None) -> float | None:
-        """Seconds since it was taken (by this machine's clock), when the record says when."""
-        if self.since is None:
-            return None
-        return max(0.0, (time.time() if at is None else at) - self.since)
-
-    def describe(self, at: float | None = None) -> str:
-        """``task charge_invoice 8c1f... on worker-3 pid 4411 for 12.4 s``, or the text."""
-        if self.task is None and self.host is None and self.pid is None:
-            return repr(self.text) if self.text else "an unnamed holder"
-        parts = []
-        if self.task is not None or self.name is not None:
-            parts.append(" ".join(["task", *(p for p in (self.name, self.task) if p)]))
-        if self.host is not None:
-            parts.append(f"on {self.host}")
-        if self.pid is not None:
-            parts.append(f"pid {self.pid}")
-        age = self.age(at)
-        if age is not None:
-            parts.append(f"for {age:.1f} s")
-        return " ".join(parts)
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def describe_holder(text: str | None) -> str:
-    """How a holder text reads in a message: ``task <name> <id> on <host> pid <pid> for <s> s``."""
-    return "" if text is None else Holder.parse(text).describe()
-
-
 LockKind = Literal["free", "plain", "reentrant", "other", "error"]
 
 

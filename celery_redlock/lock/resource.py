@@ -23,6 +23,7 @@ from .._validate import wait_timeout
 from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, NotFenced, RedlockError, Vote
 from .clock import now
 from .commands import PLAIN, PLAIN_WAITING, Commands
+from .holder import describe_holder
 
 if TYPE_CHECKING:
     from .fair import Entry
@@ -486,8 +487,22 @@ class Lock:
 
     def __enter__(self) -> Lock:
         if not self.acquire(self._blocking, self._timeout):
-            assert self.last_error is not None
-            raise self.last_error
+            error = self.last_error
+            assert error is not None
+            if error.held_by_other:
+                # Say who holds it: one more round, on the failure path only.
+                text = self.redlock.holder(self.name)
+                if text is not None:
+                    error = LockNotAcquired(
+                        error.resource,
+                        error.votes,
+                        attempts=error.attempts,
+                        elapsed=error.elapsed,
+                        validity=error.validity,
+                        quorum=error.quorum,
+                        holder=describe_holder(text),
+                    )
+            raise error
         return self
 
     def __exit__(

@@ -16,6 +16,7 @@ import pytest
 from celery_redlock import LockNotAcquired, Redlock
 from celery_redlock.lock import admin
 from celery_redlock.lock.heartbeat import Heartbeat
+from celery_redlock.lock.holder import describe_holder
 from celery_redlock.testing import RedisServer, ServerSet
 
 
@@ -226,7 +227,7 @@ def test_a_holder_without_a_ttl_in_its_record_is_unknown_and_needs_force(
 
 @pytest.mark.timeout(30)
 def test_lock_not_acquired_names_the_holder_when_given_one() -> None:
-    error = LockNotAcquired("invoice:42", [], quorum=3, holder=admin.describe_holder(record(60)))
+    error = LockNotAcquired("invoice:42", [], quorum=3, holder=describe_holder(record(60)))
     assert "held by task charge_invoice 8c1f" in str(error) and "on worker-3 pid 4242 for" in str(error)
     rebuilt = LockNotAcquired(*json.loads(json.dumps(error.args)))  # a JSON result backend's trip
     assert rebuilt.holder == error.holder

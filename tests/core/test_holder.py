@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from celery_redlock import ConfigError, Redlock
+from celery_redlock import ConfigError, LockNotAcquired, Redlock
 from celery_redlock.lock.resource import HOLDER_SEPARATOR
 from celery_redlock.testing import ServerSet
 
@@ -59,3 +59,18 @@ def test_holder_tokens_stay_unique_per_acquisition(masters: ServerSet) -> None:
 def test_a_holder_that_cannot_be_stored_is_refused(masters: ServerSet, holder: object) -> None:
     with Redlock(masters.urls, retry_count=0) as rl, pytest.raises(ConfigError, match="holder"):
         rl.lock("bad-holder", holder=holder)  # type: ignore[arg-type]
+
+
+def test_a_with_block_refused_names_the_holder(rl: Redlock) -> None:
+    """``with lock:`` that fails says who holds the resource (one more round, on failure only)."""
+    held = rl.lock("named", ttl=10, holder='{"task":"abc","name":"charge","host":"w3","pid":4411}')
+    assert held.acquire(blocking=False)
+    try:
+        with (
+            pytest.raises(LockNotAcquired, match="held by task charge abc on w3 pid 4411") as caught,
+            rl.lock("named", ttl=10, blocking=False),
+        ):
+            pass
+        assert caught.value.holder.startswith("task charge abc on w3 pid 4411")
+    finally:
+        held.release()
