@@ -11,12 +11,16 @@ imports a driver: they take the cursor or client you already have.
 
 - A single statement (``balance = balance + :x``) needs only :meth:`FencedRows.update`:
   ``UPDATE t SET ..., fence = :f WHERE id = :id AND fence <= :f``.
-- A read-modify-write in application code must **claim** first, in the same transaction:
-  :meth:`FencedRows.claim`, then the ``SELECT``, then :meth:`FencedRows.update`. Without the
-  claim, a stale holder that read before the new holder's first write can still write before it
-  (the row has not seen the higher fence yet), and the new holder's update is lost. The claim
-  also takes the row's write lock: PostgreSQL re-checks the WHERE clause when a concurrent claim
-  commits, SQLite serializes writers.
+- A read-modify-write in application code must **claim** first: :meth:`FencedRows.claim`, then
+  the ``SELECT``, then :meth:`FencedRows.update`. Without the claim, a stale holder that read
+  before the new holder's first write can still write before it (the row has not seen the
+  higher fence yet), and the new holder's update is lost. **Commit the claim on its own**, then
+  read and update in a second transaction: the update re-checks the fence, so this is as safe,
+  and a holder paused between the two keeps no row lock (in one transaction, a paused holder
+  would hold the row's write lock, and its successor would wait on it until a lock timeout).
+  PostgreSQL re-checks the WHERE clause when a concurrent claim commits (READ COMMITTED; under
+  REPEATABLE READ the loser gets a serialization failure, and its retry ``StaleFence``); SQLite
+  serializes writers.
 
 ``<=``, not ``<``: one holder may write several times; two grants never share a fence.
 
@@ -76,13 +80,16 @@ class FencedRows:
         :class:`LookupError` if there is no such row."""
         self._write(cursor, key, _fence(fence), {})
 
-    def update(self, cursor: Any, key: object, fence: int, **values: object) -> None:
+    def update(self, cursor: Any, key: object, fence: int, /, **values: object) -> None:
         """``UPDATE`` the row's ``values`` and its fence, only if its fence is not above
-        ``fence``. :class:`StaleFence` if it is; :class:`LookupError` if there is no such row."""
+        ``fence``. :class:`StaleFence` if it is; :class:`LookupError` if there is no such row.
+        (Positional-only, so that columns named ``key``, ``fence`` or ``cursor`` can be set.)"""
         if not values:
             raise ConfigError("update needs at least one column=value")
         for column in values:
             _identifier("column", column)
+            if column == self.fence:
+                raise ConfigError(f"update sets the fence column {column!r} itself; pass the fence only")
         self._write(cursor, key, _fence(fence), values)
 
     def current(self, cursor: Any, key: object) -> int | None:
@@ -92,7 +99,15 @@ class FencedRows:
         )
         cursor.execute(sql, params)
         row = cursor.fetchone()
-        return None if row is None else int(row[0])
+        if row is None:
+            return None
+        if row[0] is None:
+            # NULL <= fence is never true: every fenced write to this row would be refused.
+            raise ConfigError(
+                f"{self.table}.{self.fence} is NULL for {self.key} = {key!r}; declare it "
+                "BIGINT NOT NULL DEFAULT 0"
+            )
+        return int(row[0])
 
     def _write(self, cursor: Any, key: object, fence: int, values: dict[str, object]) -> None:
         assignments = [*values.items(), (self.fence, fence)]
@@ -158,23 +173,30 @@ class FencedKey:
     def __init__(self, client: Any, key: str, fence_key: str | None = None) -> None:
         if not isinstance(key, str) or not key:
             raise ConfigError(f"key must be a non-empty str, got {key!r}")
+        if fence_key is not None and (not isinstance(fence_key, str) or not fence_key or fence_key == key):
+            raise ConfigError(f"fence_key must be a non-empty str other than the key, got {fence_key!r}")
         self.client = client
         self.key = key
         self.fence_key = fence_key if fence_key is not None else key + "~fence"
 
-    def read(self, fence: int) -> bytes | None:
-        """Claim the key for ``fence``, then read it (None if absent), in one script.
-        :class:`StaleFence` if a higher fence has been seen."""
+    def read(self, fence: int) -> bytes | str | None:
+        """Claim the key for ``fence``, then read it (None if absent; ``str`` from a client with
+        ``decode_responses=True``), in one script. :class:`StaleFence` if a higher fence has been
+        seen."""
         reply = self.client.eval(scripts.FENCED_READ.source, 2, self.key, self.fence_key, str(_fence(fence)))
         if reply[0] != 1:
             raise StaleFence(self.key, fence, int(reply[1]))
-        value = reply[1] if len(reply) > 1 else None
-        return value if isinstance(value, bytes) else None
+        # {1, false} for an absent key arrives as [1, None]; a shorter reply is read the same way.
+        value: bytes | str | None = reply[1] if len(reply) > 1 else None
+        return value
 
     def write(self, fence: int, value: bytes | str, *, px: int | None = None) -> None:
         """Set the key to ``value`` (with a TTL of ``px`` ms, if given) under ``fence``.
         :class:`StaleFence` if a higher fence has been seen."""
-        ttl = "0" if px is None else str(int(px))
+        if px is not None and (isinstance(px, bool) or not isinstance(px, int) or px <= 0):
+            # '0' is the script's "no TTL": a px of 0 must not silently mean "keep forever".
+            raise ConfigError(f"px must be a positive int of milliseconds or None, got {px!r}")
+        ttl = "0" if px is None else str(px)
         reply = self.client.eval(
             scripts.FENCED_WRITE.source, 2, self.key, self.fence_key, str(_fence(fence)), value, ttl
         )

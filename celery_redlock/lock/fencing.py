@@ -68,9 +68,11 @@ MAX_FENCE = 2**53
 
 
 def try_acquire_fenced(
-    redlock: Redlock, key: str, token: str, ttl: float
+    redlock: Redlock, key: str, token: str, ttl: float, expiry: list[float] | None = None
 ) -> tuple[float, list[Vote], float, int]:
     """One fenced attempt: (validity, votes, elapsed, fence); validity > 0 means acquired.
+    ``expiry``, if given, receives when a quorum could be free at the earliest (as
+    ``Redlock.try_acquire`` gives it a waiting lock).
 
     Both rounds run in one ``Round``, on the same links, so a retraction always travels behind
     whatever of ours it must follow. The votes of a failure are round 2's for the masters of Q
@@ -85,6 +87,9 @@ def try_acquire_fenced(
         first = rnd.call([acquire] * n, redlock.request_timeout)
         votes = _votes(redlock, first, _is_counter)
         granted = [i for i, vote in enumerate(votes) if vote.kind == "yes"]
+        if expiry is not None:
+            expiry.clear()
+            expiry.append(redlock._free_at([_as_pttl(o) for o in first], now()))
         if len(granted) < redlock.quorum or ttl - (now() - t_start) - redlock.drift(ttl) <= 0:
             # As any failed attempt: every master but those that refused gets the retraction.
             retract = [None if v.kind == "held" else release for v in votes]
@@ -122,8 +127,18 @@ def try_acquire_fenced(
 
 
 def _is_counter(value: object) -> bool:
-    """A FENCED_ACQUIRE grant: the master's counter value, an int > 0 (a refusal answers 0)."""
+    """A FENCED_ACQUIRE grant: the master's counter value, an int > 0 (a refusal answers
+    -1 - the holder's PTTL)."""
     return isinstance(value, int) and value > 0
+
+
+def _as_pttl(outcome: Outcome) -> Outcome:
+    """A FENCED_ACQUIRE outcome as ACQUIRE_WAIT would answer: ``OK`` for a grant, the PTTL for a
+    refusal (what ``Redlock._free_at`` reads)."""
+    value = outcome.value if outcome.kind == "ok" else None
+    if isinstance(value, int):
+        return Outcome("ok", b"OK" if value > 0 else -1 - value)
+    return outcome
 
 
 def _votes(redlock: Redlock, outcomes: list[Outcome], granted: Callable[[Any], bool]) -> list[Vote]:
@@ -137,12 +152,13 @@ def _votes(redlock: Redlock, outcomes: list[Outcome], granted: Callable[[Any], b
 
 
 class _Grant:
-    """One acquire call's fence, set by its successful attempt."""
+    """One acquire call's fence, set by its successful attempt (no queue place: ``member``)."""
 
-    __slots__ = ("fence",)
+    __slots__ = ("fence", "member")
 
     def __init__(self) -> None:
         self.fence = 0
+        self.member = None
 
 
 class FencedLock(Lock):
@@ -171,7 +187,9 @@ class FencedLock(Lock):
     def _attempt(
         self, token: str, waiting: bool, expiry: list[float], entry: Any
     ) -> tuple[float, list[Vote], float]:
-        validity, votes, elapsed, fence = try_acquire_fenced(self.redlock, self.key, token, self.ttl)
+        validity, votes, elapsed, fence = try_acquire_fenced(
+            self.redlock, self.key, token, self.ttl, expiry if waiting else None
+        )
         entry.fence = fence
         return validity, votes, elapsed
 

@@ -285,7 +285,8 @@ return deleted
 #   KEYS[2]  its fence counter
 #   ARGV[1]  the token
 #   ARGV[2]  the ttl in milliseconds
-#   returns  0 if the lock key exists (refused, nothing written); else, the key now set,
+#   returns  if the lock key exists (refused, nothing written), -1 - its PTTL in ms: an integer
+#            <= 0 (a waiter wakes when the holder's lock runs out); else, the key now set,
 #            max(counter, this master's clock in microseconds): an integer > 0. The clock is the
 #            floor that keeps fences growing across a master that restarted without its counter.
 # SET comes before TIME: no write follows a non-deterministic command (scripts before Redis 5).
@@ -293,7 +294,7 @@ FENCED_ACQUIRE = Script(
     "fenced_acquire",
     """
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    return 0
+    return -1 - redis.call('PTTL', KEYS[1])
 end
 local time = redis.call('TIME')
 local c = tonumber(time[1]) * 1000000 + tonumber(time[2])

@@ -150,7 +150,8 @@ def test_write_back_is_the_grants_own_and_never_lowers_a_counter(masters: Server
         key, counter = "redlock:wb", "redlock:wb" + COUNTER_SUFFIX
         assert client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokA", 5000) > 0
         # Refused: the key exists; nothing written.
-        assert client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokB", 5000) == 0
+        refused = client.eval(scripts.FENCED_ACQUIRE.source, 2, key, counter, "tokB", 5000)
+        assert -5001 <= refused <= -1  # -1 - the holder's PTTL
         assert client.get(counter) is None
         # Another token's write-back writes nothing.
         assert client.eval(scripts.FENCE_WRITE_BACK.source, 2, key, counter, "tokB", "100", 60000) == 0
@@ -228,3 +229,17 @@ def test_threads_sharing_one_redlock_get_distinct_increasing_fences(rl: Redlock)
         thread.join(10)
     assert len(records) > 20
     assert real_time_violations(records) == []
+
+
+def test_a_fenced_waiter_wakes_when_an_abandoned_lock_expires(masters: ServerSet) -> None:
+    """Refusals carry the holder's PTTL, so a waiter wakes at the expiry, not a poll later."""
+    with Redlock(masters.urls, retry_delay=10, wait_poll=8) as own, Redlock(masters.urls) as other:
+        abandoned = other.lock("abandoned", ttl=1.0, fenced=True)
+        assert abandoned.acquire(blocking=False)  # never released: it must expire
+        started = time.monotonic()
+        waiter = own.lock("abandoned", ttl=5, fenced=True)
+        assert waiter.acquire(timeout=6)
+        assert time.monotonic() - started < 1.0 + 0.5
+        assert waiter.fence is not None and abandoned.fence is not None
+        assert waiter.fence > abandoned.fence
+        waiter.release()

@@ -4,6 +4,7 @@ a user runs them; each exits 0 only when what it shows actually happened."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,3 +39,13 @@ def test_beat_singleton_never_overlaps_and_survives_losing_its_leading_beat() ->
     out = _run("examples/beat_singleton/run.py", timeout=100)
     assert "killed the leading beat" in out
     assert ", 0 overlapping runs" in out
+
+
+@pytest.mark.timeout(120)
+def test_fenced_ledger_refuses_the_paused_workers_late_write() -> None:
+    out = _run("examples/fenced_ledger/run.py", timeout=100)
+    assert "unfenced: balance 100, expected 150 (a credit was lost)" in out
+    fenced = r"^fenced: balance 150; stale write refused \(fence (\d+) < (\d+)\), retried$"
+    refused = re.search(fenced, out, re.M)
+    assert refused is not None, out
+    assert int(refused[1]) < int(refused[2])
