@@ -109,7 +109,7 @@ def order_under(servers: ServerSet, condition: str, waiters: int = 10) -> tuple[
             counts = set()
             for server in servers:
                 if server.running and not server.paused:
-                    counts.add(server.client().zcard("redlock:" + name + ":queue"))
+                    counts.add(server.client().zcard("redlock:" + name + "~queue"))
             return counts
 
         if condition == "paused during arrivals":

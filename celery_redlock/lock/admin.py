@@ -54,7 +54,7 @@ from .commands import EXTEND, PLAIN, REENTRANT
 from .holder import Holder
 from .masters import Command, Outcome, script_template
 from .redlock import Redlock
-from .resource import HOLDER_SEPARATOR, lock_key
+from .resource import HOLDER_SEPARATOR, QUEUE_SUFFIX, RESERVED_SUFFIXES, lock_key
 
 logger = logging.getLogger("celery_redlock.admin")
 
@@ -81,8 +81,7 @@ CLOCK_OFFSET_WARNING = 1.0
 # a TTL, so volatile-* policies choose among them too).
 SAFE_EVICTION = "noeviction"
 # The fair lock's waiting room and its deadlines sit beside the lock key (see scripts.py).
-QUEUE_SUFFIX = ":queue"
-SIBLING_SUFFIXES = (":queue", ":deadlines")
+SIBLING_SUFFIXES = RESERVED_SUFFIXES  # fair queues and fence counters: not locks
 SIBLING_SUFFIXES_BYTES = tuple(s.encode() for s in SIBLING_SUFFIXES)
 TOKEN_HEX = 40
 

@@ -19,7 +19,8 @@ so B's ticket is larger than A's, on every master. Arrivals that overlap get som
 the same one everywhere: equal tickets sort by member.
 
 **A dead waiter cannot block the queue.** An entry expires ``entry_ttl`` after its waiter's
-last attempt (``max(2 s, 4 * wait_poll)``; a waiter tries at least every ``wait_poll``), and
+last attempt (``max(2 s, 4 * wait_poll, 2 * retry_delay)``; a waiter tries at least every
+``wait_poll``, or within ``retry_delay`` when it polls), and
 every attempt first drops expired entries. A waiter that was paused past its deadline has lost
 its place: its next attempt (``keep``) does not queue it again, and when a quorum says so it
 takes a new ticket at the back.
@@ -45,7 +46,7 @@ from ..errors import Vote
 from . import scripts
 from .commands import milliseconds
 from .masters import Command, Outcome, script_template
-from .resource import Lock
+from .resource import DEADLINES_SUFFIX, QUEUE_SUFFIX, Lock
 
 if TYPE_CHECKING:
     from .redlock import Redlock
@@ -54,9 +55,6 @@ if TYPE_CHECKING:
 ACQUIRE = script_template(scripts.FAIR_ACQUIRE, 3, 6)
 RELEASE = script_template(scripts.FAIR_RELEASE, 3, 3)  # key queue deadlines token member leave(1/0)
 
-# The suffixes of a fair lock's two queue keys (a name ending in them is another lock's queue).
-QUEUE_SUFFIX = ":queue"
-DEADLINES_SUFFIX = ":deadlines"
 # An entry outlives its waiter's last attempt by at least this long (seconds).
 MIN_ENTRY_TTL = 2.0
 
@@ -92,7 +90,9 @@ class FairLock(Lock):
     ) -> None:
         super().__init__(redlock, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
         self._keys = (self.key, self.key + QUEUE_SUFFIX, self.key + DEADLINES_SUFFIX)
-        self.entry_ttl = max(MIN_ENTRY_TTL, 4 * redlock.wait_poll)
+        # A waiter tries again at least every wait_poll when woken by releases, and within
+        # retry_delay when it polls: its entry outlives either, several times over.
+        self.entry_ttl = max(MIN_ENTRY_TTL, 4 * redlock.wait_poll, 2 * redlock.retry_delay)
         self._member: str | None = None  # the member of the call that holds the lock
 
     def acquire(
@@ -144,10 +144,12 @@ class FairLock(Lock):
         """Update ``entry`` from one attempt's replies: where it is queued, and its ticket."""
         after = 0
         gone = 0
+        answered = 0
         ranks = []
         for i, (mode, outcome) in enumerate(zip(modes, outcomes, strict=True)):
             value = outcome.value if outcome.kind == "ok" else None
             if isinstance(value, list) and len(value) == 4:
+                answered += 1
                 after = max(after, int(value[1]))
                 ranks.append(int(value[2]))
                 if mode == "join":
@@ -157,15 +159,21 @@ class FairLock(Lock):
                     gone += 1
             else:
                 ranks.append(0 if value == b"OK" else -1)
-                if value == b"OK" and mode == "join":
-                    entry.placed.add(i)
+                if value == b"OK":
+                    answered += 1
+                    after = max(after, 1)  # a probe's grant: nobody queued there
+                    if mode == "join":
+                        entry.placed.add(i)
         entry.ranks = ranks
         if gone >= self.redlock.quorum:
             # The entry expired on a quorum (this waiter was paused past its deadline): its
             # place is lost, and it queues again at the back.
             entry.ticket = 0
             entry.placed.clear()
-        if not entry.ticket and after:
+        # INVARIANT (arrival order): a ticket is taken only from a quorum's answers, which meet
+        # every entry a quorum acknowledged before this attempt began; from a minority it could
+        # land ahead of such an entry (an empty minority answers 1). Else: probe again.
+        if not entry.ticket and after and answered >= self.redlock.quorum:
             entry.ticket = after
 
     def _retraction(self, token: str, entry: Entry | None) -> Command | None:

@@ -53,7 +53,7 @@ from . import scripts
 from .clock import now
 from .commands import RELEASE, milliseconds
 from .masters import Command, Outcome, script_template
-from .resource import Lock
+from .resource import FENCE_SUFFIX, Lock
 
 if TYPE_CHECKING:
     from .redlock import Redlock
@@ -61,8 +61,8 @@ if TYPE_CHECKING:
 ACQUIRE = script_template(scripts.FENCED_ACQUIRE, 2, 2)  # key counter token <ms>
 WRITE_BACK = script_template(scripts.FENCE_WRITE_BACK, 2, 3)  # key counter token fence <ms>
 
-# The suffix of a lock key's fence counter; lock names may not end in it.
-COUNTER_SUFFIX = "~fence"
+# The suffix of a lock key's fence counter (lock_key refuses names ending in it).
+COUNTER_SUFFIX = FENCE_SUFFIX
 # Fences must stay exact in Lua's doubles (a master clock past the year 2255 would pass it).
 MAX_FENCE = 2**53
 
@@ -168,8 +168,6 @@ class FencedLock(Lock):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.key.endswith(COUNTER_SUFFIX):
-            raise RedlockError(f"lock name {self.name!r} ends in {COUNTER_SUFFIX!r}")
         self._fence: int | None = None
         self._fence_owner = 0
 

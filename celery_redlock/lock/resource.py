@@ -39,6 +39,14 @@ MAX_NAME_LENGTH = 512
 # Between a token's random part and the holder text stored with it (see Redlock.lock).
 HOLDER_SEPARATOR = "|"
 
+# The keys some kinds of lock keep beside the lock key: a fair lock's queue and its entries'
+# deadlines (fair.py), a fenced lock's counter (fencing.py). No lock name may end in one, so no
+# lock's key is ever another lock's sibling (a shortened name ends in hex digits, never so).
+QUEUE_SUFFIX = "~queue"
+DEADLINES_SUFFIX = "~deadlines"
+FENCE_SUFFIX = "~fence"
+RESERVED_SUFFIXES = (QUEUE_SUFFIX, DEADLINES_SUFFIX, FENCE_SUFFIX)
+
 
 def lock_key(prefix: str, name: object) -> str:
     """The key a resource name is stored under; over-long names keep a head and a digest."""
@@ -46,6 +54,11 @@ def lock_key(prefix: str, name: object) -> str:
         raise ConfigError(f"lock name must be a str, got {type(name).__name__}: {name!r}")
     if not name:
         raise ConfigError("lock name must not be empty")
+    if name.endswith(RESERVED_SUFFIXES):
+        raise ConfigError(
+            f"lock name {name!r} ends in {name[name.rindex('~') :]!r}, which is reserved for the keys "
+            f"kept beside a lock ({', '.join(RESERVED_SUFFIXES)})"
+        )
     if len(name) > MAX_NAME_LENGTH:
         digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()
         name = f"{name[:64]}~sha256:{digest}"

@@ -228,6 +228,12 @@ if mode == 'join' then
 end
 if mode == 'join' or (mode == 'keep' and queued == 1) then
     redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), member)
+    -- The queue outlives its newest entry, never more: a name nobody waits on any longer
+    -- leaves no key behind, whatever its waiters did (killed, paused, partitioned away).
+    if redis.call('PTTL', KEYS[2]) < tonumber(ARGV[5]) then
+        redis.call('PEXPIRE', KEYS[2], ARGV[5])
+        redis.call('PEXPIRE', KEYS[3], ARGV[5])
+    end
 end
 if kind == 'none' then
     local head = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
@@ -390,7 +396,7 @@ return {1}
 
 # INSPECT (what one master holds under a lock key, in one atomic look)
 #   KEYS[1]  the lock key
-#   KEYS[2]  its fair-lock queue (``<lock key>:queue``, a ZSET while anyone waits in it)
+#   KEYS[2]  its fair-lock queue (``<lock key>~queue``, a ZSET while anyone waits in it)
 #   returns  {type, pttl, queue length, ...}: type is TYPE's answer ('none', 'string', 'hash',
 #            ...); pttl is PTTL's (-2 absent, -1 no TTL); queue length is the ZCARD of KEYS[2] (0
 #            when it is no ZSET); then, for a string, its value; for a hash, its fields and values

@@ -53,7 +53,7 @@ def test_ls_lists_plain_and_reentrant_locks_held_on_a_quorum_and_skips_what_is_n
     try:
         first.set("redlock:leader-like:leader", '{"hostname": "h"}')  # a record beside a lock
         first.set("redlock:stray", "not a token")
-        first.zadd("redlock:invoice:1:queue", {"a": 1, "b": 2})  # a fair lock's queue
+        first.zadd("redlock:invoice:1~queue", {"a": 1, "b": 2})  # a fair lock's queue
         first.set("redlock:minority", "f" * 40 + "|left on one master", px=20000)
     finally:
         first.close()

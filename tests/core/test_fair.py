@@ -32,7 +32,7 @@ from .conftest import keys_on, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
-QUEUE = "redlock:{}:queue"
+QUEUE = "redlock:{}~queue"
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ class FairMachine(RuleBasedStateMachine):
             if server.running and not server.paused:
                 client = server.client()
                 try:
-                    found.append(set(client.zrange(f"redlock:{self.name}:queue", 0, -1)))
+                    found.append(set(client.zrange(f"redlock:{self.name}~queue", 0, -1)))
                 finally:
                     client.close()
         return found
