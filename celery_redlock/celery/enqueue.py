@@ -49,10 +49,12 @@ publish fail with :class:`LockNotAcquired`: nothing is published unmarked.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -66,7 +68,7 @@ from ..lock import markers
 from ..lock.holder import Holder
 from ..lock.markers import HandoverLock
 from ..lock.redlock import Redlock
-from ..lock.resource import Lock
+from ..lock.resource import HOLDER_SEPARATOR, Lock, lock_key
 from . import signals
 from .held import Held
 from .settings import RedlockSettings, app_settings_and_redlock, enqueue_mode
@@ -127,15 +129,26 @@ def mode_of(task: Any) -> str | None:
             return None
         settings, _ = app_settings_and_redlock(task.app)
         mode = settings.enqueue
-        if mode is not None and (task.lock_slot is not None or _reentrant(task, settings)):
-            check_task_options(type(task), task.name)  # raises, naming the conflict
-        if mode is not None and (task.lock_fenced if task.lock_fenced is not None else settings.fenced):
-            raise ConfigError(
-                f"task {task.name!r}: redlock_enqueue cannot be combined with fenced locks "
-                "(redlock_fenced / lock_fenced): the run takes its key over from the marker in one "
-                "script, which hands out no fence; set lock_enqueue=False on this task"
-            )
+        if mode is not None:
+            _refuse_conflicts(task, settings)
     return mode  # type: ignore[no-any-return]
+
+
+def _refuse_conflicts(task: Any, settings: RedlockSettings) -> None:
+    """An app-wide ``redlock_enqueue`` meets a task it cannot serve: the same refusals as
+    :func:`check_task_options` makes at definition for ``lock_enqueue`` on the task itself."""
+    why = None
+    if task.lock_slot is not None:
+        why = "lock_slot: the slot is known only after the marker is taken"
+    elif _reentrant(task, settings):
+        why = "a reentrant lock (lock_reentrant / redlock_reentrant), whose key a marker cannot take over"
+    elif task.lock_fenced if task.lock_fenced is not None else settings.fenced:
+        why = "a fenced lock (lock_fenced / redlock_fenced): the handover script hands out no fence"
+    if why is not None:
+        raise ConfigError(
+            f"task {task.name!r}: redlock_enqueue cannot be combined with {why}; set "
+            "lock_enqueue=False on this task"
+        )
 
 
 def _reentrant(task: Any, settings: RedlockSettings) -> bool:
@@ -159,14 +172,14 @@ def apply_async(
     if task_id is not None and task_id == getattr(request, "id", None) and not request.called_directly:
         return _republish(task, publish, args, kwargs, task_id, options)
     settings, redlock = app_settings_and_redlock(task.app)
-    if _reentrant(task, settings):
-        check_task_options(type(task), task.name)
     name = task.lock_name(tuple(args or ()), kwargs or {})
     task_id = task_id or uuid()
     ttl = marker_ttl(task, settings, options)
     value = markers.new_value(_holder(task, task_id, ttl))
     placed = _place(redlock, name, value, ttl)
-    if isinstance(placed, str) and _finished(task, placed):
+    # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
+    # rate limit): then the key stays taken, and the duplicate is one at once.
+    if isinstance(placed, str) and task.lock_release != "on_expiry" and _finished(task, placed):
         placed = _after_finish(task, redlock, name, value, ttl, placed)
     if isinstance(placed, str) or placed is None:
         existing = placed
@@ -182,7 +195,7 @@ def apply_async(
             return publish(args, kwargs, task_id=task_id, **options)
         return _duplicate(task, mode, name, task_id, existing)
     headers = dict(options.get("headers") or {})
-    headers[MARKER_HEADER] = {"name": name, "value": value}
+    headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
     try:
         return publish(args, kwargs, task_id=task_id, **options)
@@ -280,11 +293,33 @@ def _republish(
     held: Held | None = getattr(request, _HELD_ATTR, None)
     if held is None or held.finished or not held.lock.owned():
         return publish(args, kwargs, task_id=task_id, **options)
-    settings, _ = app_settings_and_redlock(task.app)
+    settings, redlock = app_settings_and_redlock(task.app)
     ttl = marker_ttl(task, settings, options)
     value = markers.new_value(_holder(task, task_id, ttl))
+    name = task.lock_name(tuple(args or ()), kwargs or {})
     headers = dict(options.get("headers") or {})
-    headers[MARKER_HEADER] = {"name": held.lock.name, "value": value}
+    headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
+    if name != held.lock.name:
+        # Retried with arguments of another resource: that key gets a marker of its own, and
+        # this run's lock is released as usual when it ends (nothing to swap it for).
+        placed = _place(redlock, name, value, ttl)
+        if isinstance(placed, str) or placed is None:
+            logger.warning(
+                "task %s[%s]: retried for %s, which is queued or running as %s; published without "
+                "a marker (its run is locked as usual)",
+                task.name,
+                task_id,
+                name,
+                placed,
+            )
+            del headers[MARKER_HEADER]
+        options["headers"] = headers
+        try:
+            return publish(args, kwargs, task_id=task_id, **options)
+        except BaseException:
+            if not (isinstance(placed, str) or placed is None):
+                markers.drop(redlock, name, value)
+            raise
     options["headers"] = headers
     result = publish(args, kwargs, task_id=task_id, **options)
     setattr(request, _REQUEUE_ATTR, (value, ttl))
@@ -322,12 +357,46 @@ def run_lock(redlock: Redlock, request: Any, name: str, ttl: float, holder: str)
     """The lock a run takes: over from its message's marker if it carries one for ``name``."""
     carried = marker_of(request)
     if carried is not None and carried[0] == name:
+        fingerprint = _carried_fingerprint(request)
+        if fingerprint is not None and fingerprint != masters_fingerprint(redlock):
+            # A publisher on other masters (a deploy that moved them, a process on the old list):
+            # its marker is out of reach here and blocks that key there until its TTL.
+            logger.warning(
+                "task %s: its message was marked on different masters (fingerprint %s; this "
+                "worker's is %s): the marker cannot be taken over, and the key stays refused to "
+                "publishers on those masters until the marker's TTL; check redlock_masters",
+                getattr(request, "id", "?"),
+                fingerprint,
+                masters_fingerprint(redlock),
+            )
+            return redlock.lock(name, ttl, holder=holder)
         return HandoverLock(redlock, name, ttl, holder=holder, marker=carried[1])
     return redlock.lock(name, ttl, holder=holder)
 
 
+def masters_fingerprint(redlock: Redlock) -> str:
+    """A short digest of the masters a marker was taken on (their names, in order of name)."""
+    names = "\n".join(sorted(master.name for master in redlock.masters))
+    return hashlib.sha256(names.encode()).hexdigest()[:12]
+
+
+def _carried_fingerprint(request: Any) -> str | None:
+    raw = _header(request)
+    value = raw.get("masters") if isinstance(raw, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
 def marker_of(request: Any) -> tuple[str, str] | None:
     """(resource name, marker value) from a request's ``redlock_marker`` header, if any."""
+    raw = _header(request)
+    if isinstance(raw, Mapping):
+        name, value = raw.get("name"), raw.get("value")
+        if isinstance(name, str) and isinstance(value, str):
+            return name, value
+    return None
+
+
+def _header(request: Any) -> Any:
     raw = getattr(request, MARKER_HEADER, None)
     if raw is None:
         headers = getattr(request, "headers", None)
@@ -337,11 +406,7 @@ def marker_of(request: Any) -> tuple[str, str] | None:
         request_dict = getattr(request, "request_dict", None)  # a worker Request, not a Context
         if isinstance(request_dict, Mapping):
             raw = request_dict.get(MARKER_HEADER)
-    if isinstance(raw, Mapping):
-        name, value = raw.get("name"), raw.get("value")
-        if isinstance(name, str) and isinstance(value, str):
-            return name, value
-    return None
+    return raw
 
 
 def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any]) -> float:
@@ -403,10 +468,46 @@ def release_revoked_marker(sender: Any = None, request: Any = None, **_: Any) ->
         from celery import current_app
 
         app = current_app
+    task_id = getattr(request, "id", None)
     try:
         redlock = app_settings_and_redlock(app)[1]
         markers.drop(redlock, carried[0], carried[1])
+        if isinstance(task_id, str) and _run_holds(redlock, carried[0], task_id):
+            # A retry copy discarded while the run that published it still holds the key: that
+            # run swaps its lock for this very marker when it ends (REQUEUE), after this drop.
+            # Drop it again once it is there (bounded by the marker's own TTL).
+            threading.Thread(
+                target=_drop_when_handed_back,
+                args=(redlock, carried[0], carried[1], task_id),
+                name="redlock-revoked-marker",
+                daemon=True,
+            ).start()
     except Exception:  # a signal handler's failure is logged by nobody else
-        logger.exception("deleting the marker of revoked task %s failed", getattr(request, "id", "?"))
+        logger.exception("deleting the marker of revoked task %s failed", task_id or "?")
         return
-    logger.info("task %s revoked: its marker on %s deleted", getattr(request, "id", "?"), carried[0])
+    logger.info("task %s revoked: its marker on %s deleted", task_id or "?", carried[0])
+
+
+def _run_holds(redlock: Redlock, name: str, task_id: str) -> bool:
+    """Whether a run of ``task_id`` (not a marker) holds ``name`` on any master."""
+    for value in redlock.read_everywhere(lock_key(redlock.key_prefix, name)):
+        if value is not None:
+            holder = Holder.parse(value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)[2])
+            if holder.task == task_id and "queued" not in holder.text:
+                return True
+    return False
+
+
+def _drop_when_handed_back(redlock: Redlock, name: str, value: str, task_id: str) -> None:
+    """Poll until the run of ``task_id`` let go of ``name``; delete the marker ``value`` if it
+    was handed to it. Gives up with the marker's TTL, when it would be gone anyway."""
+    holder = Holder.parse(value.partition(HOLDER_SEPARATOR)[2])
+    deadline = time.monotonic() + (holder.ttl if holder.ttl is not None else 3600.0)
+    wanted = value.encode()
+    while time.monotonic() < deadline:
+        values = redlock.read_everywhere(lock_key(redlock.key_prefix, name))
+        if wanted in values:
+            markers.drop(redlock, name, value)
+        elif not _run_holds(redlock, name, task_id):
+            return
+        time.sleep(0.25)

@@ -49,6 +49,9 @@ def enq(broker: RedisServer, _redlock_server_set: ServerSet) -> Any:
         redlock_masters=_redlock_server_set.urls,
         task_default_queue=QUEUE,
     )
+    # Bound here, not by whichever of a burst's threads touches a task first: tasks used from
+    # 8 threads at once before the app is finalized raced on their binding (request_stack None).
+    module.app.finalize(auto=True)
     return module
 
 
