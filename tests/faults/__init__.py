@@ -6,7 +6,8 @@ Layout (one job per module):
 - ``client``: one workload client (a thread, or a process via ``python -m <pkg>.client``);
 - ``celery_app`` and ``celery_workload``: the Celery variant, ``RedlockTask`` runs in real
   prefork workers fed by a producer;
-- ``checker``: mutual exclusion, lost updates and quorum, from the recorded history alone;
+- ``checker``: mutual exclusion, lost updates, quorum and the fences' order, from the recorded
+  history alone;
 - ``cluster``: five real masters (persistent or not, some under libfaketime), proxies per client
   group, the register server;
 - ``nemesis``: the faults, scheduled from the seed;

@@ -1,5 +1,6 @@
 """The Celery variant's workload: real ``celery worker`` processes and a producer that keeps them
-busy with ``faults.rmw`` calls, so the executions contend for the resources' locks."""
+busy with ``faults.rmw`` calls (``faults.rmw_fenced`` on a fenced resource), so the executions
+contend for the resources' locks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from celery import Celery
 
 from celery_redlock.testing import CeleryWorker
 
-from .register import Register
+from .register import Register, is_fenced
 
 CONCURRENCY = 2
 
@@ -31,6 +32,7 @@ def celery_workers(
     ttl: float,
     key_prefix: str,
     queue: str,
+    stale: bool = False,
 ) -> Iterator[list[CeleryWorker]]:
     env = {
         "FAULTS_BROKER": broker,
@@ -39,6 +41,7 @@ def celery_workers(
         "FAULTS_TTL": str(ttl),
         "FAULTS_KEY_PREFIX": key_prefix,
         "FAULTS_QUEUE": queue,
+        "FAULTS_STALE": "1" if stale else "0",
     }
     workers: list[CeleryWorker] = []
     try:
@@ -80,9 +83,10 @@ def produce(
         while time.monotonic() < until:
             finished = register.count()
             for _ in range(max(0, outstanding - (published - finished))):
+                resource = rng.choice(list(resources))
                 producer.send_task(
-                    "faults.rmw",
-                    args=[rng.choice(list(resources)), rng.uniform(*hold) * ttl],
+                    "faults.rmw_fenced" if is_fenced(resource) else "faults.rmw",
+                    args=[resource, rng.uniform(*hold) * ttl],
                     queue=queue,
                     task_id=uuid.uuid4().hex,
                 )

@@ -10,7 +10,15 @@ reason; a ``waiting`` client instead blocks in ``acquire(timeout=ttl)``, woken b
 Inside a hold the client checks ``ensure()`` before it reads and again before it writes;
 sometimes it extends the lock, and sometimes it walks away without releasing (as a crashed
 holder would), which makes holds end at their validity and exercises the TTL boundary.
-Every hold is recorded with ``time.monotonic()``, one clock for the whole machine.
+Every hold is recorded with ``time.monotonic()``, one clock for the whole machine: ``t_invoked``
+just before the acquire call, ``t_acquired`` just after it returned.
+
+A fenced resource (``fres<i>``, see ``register``) is locked with ``fenced=True``: the hold claims
+and reads it under ``lock.fence`` and writes under the same fence, and a ``StaleFence`` refusal
+is recorded as the hold's loss. With ``extra["stale"]`` the client answers the stale-writer
+nemesis: after its last ``ensure()`` it may pause (a thread sleeps until another client has
+written the resource, a process SIGSTOPs itself until the nemesis resumes it), then writes
+*without* another ``ensure()`` and reports whether the write was accepted.
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from celery_redlock import LockLost, LockNotAcquired, Redlock
+from celery_redlock.errors import StaleFence
 from celery_redlock.lock.owner import open_scope
 
-from .register import EVENTS, Register
+from .register import EVENTS, Register, is_fenced
 
 
 @dataclass
@@ -73,6 +82,7 @@ def failure_reason(error: LockNotAcquired | None) -> str:
 
 
 PAUSE_MARGIN_TTLS = 4
+STALE_THREAD_TTLS = 10  # the longest a thread keeps away in a stale-writer pause
 
 
 def _votes(lock: Any) -> list[Any]:
@@ -100,8 +110,12 @@ def run_client(config: ClientConfig) -> None:
                 # Each hold is one owner (as each Celery execution is): a hold abandoned below
                 # stands for a crashed one, and must not be re-entered by the next iteration.
                 open_scope()
-            lock: Any = redlock.lock(resource, reentrant=mode == "reentrant", fair=mode == "fair")
+            fenced = is_fenced(resource)
+            lock: Any = redlock.lock(
+                resource, reentrant=mode == "reentrant", fair=mode == "fair", fenced=fenced
+            )
             waits = mode in ("waiting", "fair")
+            t_invoked = time.monotonic()
             got = lock.acquire(timeout=config.ttl) if waits else lock.acquire(blocking=False)
             depth = 1
             if got and mode == "reentrant":
@@ -116,6 +130,7 @@ def run_client(config: ClientConfig) -> None:
                 time.sleep(rng.uniform(0, config.backoff))  # pacing, not synchronisation
                 continue
             holds += 1
+            stale = False
             t_acquired = time.monotonic()
             validity_end = t_acquired + lock.validity
             record: dict[str, Any] = {
@@ -123,6 +138,8 @@ def run_client(config: ClientConfig) -> None:
                 "client": config.name,
                 "resource": resource,
                 "token": lock.token,
+                "fence": lock.fence if fenced else None,
+                "t_invoked": t_invoked,
                 "t_acquired": t_acquired,
                 "validity_end": validity_end,
                 "t_released": None,
@@ -141,18 +158,29 @@ def run_client(config: ClientConfig) -> None:
                 and register.take_pause_request()
             ):
                 _pause_self(register, config, lock, record)
+            fence = record["fence"]
+            who = f"{config.name}:{lock.token}"
             try:
                 lock.ensure()
-                value = register.read(resource)
+                value = register.fenced_read(resource, fence) if fenced else register.read(resource)
                 time.sleep(rng.uniform(*config.hold) * config.ttl)  # the work, between read and write
                 if rng.random() < config.extend and lock.extend():
                     record["validity_end"] = time.monotonic() + lock.validity
                     record["extended"] = True
                 lock.ensure()
-                register.write(resource, value + 1, f"{config.name}:{lock.token}")
+                kind = "process" if config.pausable else "thread"
+                stale = bool(config.extra.get("stale")) and _stale_pause(register, config, kind, record)
+                if fenced:
+                    register.fenced_write(resource, fence, value + 1, who)
+                else:
+                    register.write(resource, value + 1, who)
                 record["wrote"] = True
             except LockLost as exc:
                 record["lost"] = exc.reason or "lost"
+            except StaleFence as exc:
+                record["lost"] = f"StaleFence: {exc.current} > {exc.fence}"
+            if stale:
+                _report_stale_write(register, config, record)
             if rng.random() >= config.abandon:
                 # The holder is done once it starts releasing: another client may get the
                 # lock before release() returns.
@@ -162,6 +190,64 @@ def run_client(config: ClientConfig) -> None:
             register.record(record)
     register.record({"kind": "summary", "client": config.name, "holds": holds, "failures": dict(failures)})
     register.close()
+
+
+def _stale_pause(register: Register, config: ClientConfig, kind: str, record: dict[str, Any]) -> bool:
+    """The stale-writer point, after the last ensure() and before the write: if the nemesis asks
+    for a ``kind`` holder of this kind of resource, stay away from the resource (longer than the
+    lock's validity, since someone else must take the lock and write meanwhile), then return True
+    so the caller writes without another ensure()."""
+    resources = "fenced" if record["fence"] is not None else "plain"
+    if config.until - time.monotonic() <= PAUSE_MARGIN_TTLS * config.ttl:
+        return False
+    if not register.take_stale_request(kind, resources):
+        return False
+    resource = record["resource"]
+    start_length = register.log_length(resource)
+    t_paused = time.monotonic()
+    register.record(
+        {
+            "kind": "stale-paused",
+            "client": config.name,
+            "pid": os.getpid(),
+            "process": kind == "process",
+            "resource": resource,
+            "token": record["token"],
+            "fence": record["fence"],
+            "t": t_paused,
+            "validity_end": record["validity_end"],
+        },
+        key=EVENTS,
+    )
+    if kind == "process":
+        os.kill(os.getpid(), signal.SIGSTOP)  # the nemesis resumes it after a takeover
+    else:
+        # A thread cannot be stopped: it keeps away from the resource, polling with a deadline,
+        # until another client has written it (which needs this lock expired) or 10 TTLs passed.
+        deadline = t_paused + STALE_THREAD_TTLS * config.ttl
+        while register.log_length(resource) == start_length and time.monotonic() < deadline:
+            time.sleep(0.01)
+    record["stale"] = True
+    record["t_resumed"] = time.monotonic()
+    return True
+
+
+def _report_stale_write(register: Register, config: ClientConfig, record: dict[str, Any]) -> None:
+    register.record(
+        {
+            "kind": "stale-write",
+            "client": config.name,
+            "resource": record["resource"],
+            "token": record["token"],
+            "fence": record["fence"],
+            "t": time.monotonic(),
+            "t_resumed": record["t_resumed"],
+            "validity_end": record["validity_end"],
+            "accepted": record["wrote"],
+            "refused": record["lost"],
+        },
+        key=EVENTS,
+    )
 
 
 def _pause_self(register: Register, config: ClientConfig, lock: Any, record: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from celery_redlock.testing.servers import process_state
 
+from .client import STALE_THREAD_TTLS
 from .cluster import MASTERS, Cluster
 from .register import EVENTS, Register
 
@@ -33,6 +34,9 @@ class Nemesis:
     stop: threading.Event = field(default_factory=threading.Event)
     pids: dict[str, int] = field(default_factory=dict)  # process clients, by name
     workers: list[Any] = field(default_factory=list)  # CeleryWorker processes
+    # The stale-writer nemesis's targets, taken in turn: (thread|process, plain|fenced).
+    stale_targets: list[tuple[str, str]] = field(default_factory=list)
+    _stale_turn: int = 0
     log: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     _mutex: threading.Lock = field(default_factory=threading.Lock)
@@ -135,6 +139,37 @@ class Nemesis:
             raise RuntimeError(f"client {paused['client']} (pid {pid}) did not stop")
         self._resume_after_takeover(pid, paused, "client pause")
         self._wait_for(lambda: self._new_event(seen, "resumed"), 10.0)
+
+    def stale_writer(self, victims: Sequence[int] = ()) -> None:
+        """Have the next holder of the kind whose turn it is (thread or process client, plain or
+        fenced resource) pause after its last ensure() and before its write, until another client
+        has taken the lock and written the resource; then it writes without another ensure().
+        A process SIGSTOPs itself and is resumed here; a thread keeps away on its own."""
+        if not self.stale_targets:
+            raise RuntimeError("the stale-writer nemesis needs stale_targets")
+        kind, resources = self.stale_targets[self._stale_turn % len(self.stale_targets)]
+        self._stale_turn += 1
+        seen = self.register.count(EVENTS)
+        self.register.request_stale_write(kind, resources)
+        paused = self._wait_for(lambda: self._new_event(seen, "stale-paused"), 5 * self.ttl)
+        if paused is None and self.register.take_stale_request(kind, resources):
+            self.note("stale writer", f"no {kind} client held a {resources} resource in time; skipped")
+            return
+        if paused is None:  # taken just as we gave up: the holder is pausing now
+            paused = self._wait_for(lambda: self._new_event(seen, "stale-paused"), 5.0)
+            if paused is None:
+                raise RuntimeError(f"a {kind} client took the stale-writer request and never paused")
+        if paused["process"]:
+            pid = int(paused["pid"])
+            if self._wait_for(lambda: _stopped(pid) or None, 5.0) is None:
+                raise RuntimeError(f"client {paused['client']} (pid {pid}) did not stop")
+            self._resume_after_takeover(pid, paused, f"stale writer ({kind}, {resources})")
+        else:
+            self.note(f"stale writer ({kind}, {resources})", f"{paused['client']} held {paused['resource']}")
+        self._wait_for(
+            lambda: self._new_event(seen, "stale-write", lambda e: e["token"] == paused["token"]),
+            (STALE_THREAD_TTLS + 2) * self.ttl + 5.0,
+        )
 
     def _resume_after_takeover(self, pid: int, holder: dict[str, Any], what: str) -> None:
         """SIGCONT a stopped holder once another has written its resource (or 10 TTLs passed),

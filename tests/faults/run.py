@@ -2,6 +2,7 @@
 
     python -m tests.faults.run --duration 1800 --seed 7          # the long run: 30 min in all
     python -m tests.faults.run --duration 120 --seed 7 --only partition,clock-fast
+    python -m tests.faults.run --duration 240 --seed 7 --only stale-writer,stale-writer-celery
 
 ``--duration`` is the total, shared out evenly between the scenarios. The exit status is 1 if a
 scenario failed to show what it must (see ``scenarios.py``). Needs Debian's ``faketime`` for
@@ -25,6 +26,9 @@ COLUMNS = (
     "holds",
     "overlaps",
     "lost updates",
+    "fence viol.",
+    "lost (fenced)",
+    "stale refused",
     "max unavailability",
     "faults",
     "verdict",
@@ -36,6 +40,10 @@ def table(results: Sequence[Result]) -> str:
     for result in results:
         report = result.report
         unavailable = f"{report.max_unavailable:.2f} s"
+        stale = "-"
+        if "stale_writer" in result.scenario.faults and result.scenario.fenced:
+            refused = report.stale_fenced_refused
+            stale = f"{refused} of {refused + report.stale_fenced_accepted}"
         if not result.scenario.available:
             unavailable += " *"
         rows.append(
@@ -46,6 +54,9 @@ def table(results: Sequence[Result]) -> str:
                 str(report.holds),
                 str(len(report.overlaps)),
                 str(report.lost_updates),
+                _fenced(result, str(len(report.fence_violations))),
+                _fenced(result, str(report.lost_updates_fenced)),
+                stale,
                 unavailable,
                 str(sum(result.fault_counts.values())),
                 "ok" if not result.problems() else "FAILED",
@@ -60,6 +71,11 @@ def table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+def _fenced(result: Result, figure: str) -> str:
+    """A fence figure, or "-" for a scenario without fenced resources."""
+    return figure if result.scenario.fenced else "-"
+
+
 def details(result: Result) -> str:
     report = result.report
     failures = ", ".join(f"{k} {v}" for k, v in sorted(report.failures.items())) or "none"
@@ -69,8 +85,21 @@ def details(result: Result) -> str:
         f"{report.lost_holds}; writes: {report.writes}",
         f"  faults: {result.fault_counts or 'none'}",
     ]
+    if result.scenario.fenced:
+        line = (
+            f"  fenced: {report.fenced_holds} holds, {len(report.fence_violations)} fence violations, "
+            f"{report.lost_updates_fenced} lost updates, {report.refused} accesses refused"
+        )
+        if "stale_writer" in result.scenario.faults:
+            line += (
+                f"; stale writes: plain {report.stale_plain} accepted, fenced "
+                f"{report.stale_fenced_refused} refused and {report.stale_fenced_accepted} accepted"
+            )
+        lines.append(line)
     for overlap in report.overlaps[:3]:
         lines.append(f"  overlap: {overlap}")
+    for violation in report.fence_violations[:3]:
+        lines.append(f"  fence violation: {violation}")
     if result.scenario.limit:
         lines.append(f"  known limit: {result.scenario.limit}")
     lines += [f"  PROBLEM: {problem}" for problem in result.problems()]

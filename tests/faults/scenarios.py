@@ -5,6 +5,13 @@ the TTL or with fsynced data, bounded clock drift) a scenario must show zero ove
 updates and a lock that stays available. Outside them (``expect="violation"``) the checker must
 *find* the overlap: that is what proves it is not blind.
 
+Most scenarios also have a *fenced* resource (``fenced``: ``fres<i>`` beside the plain
+``res<i>``), locked with ``fenced=True`` and written through ``FencedKey``: within the
+assumptions it must show zero fence violations and a serial fenced history. The ``stale-writer``
+scenario shows what fencing is for: a holder paused between its last ``ensure()`` and its write
+writes late, which on the plain resource **must** lose an update (Redlock's known limit, shown)
+and on the fenced one must be refused.
+
 The two out-of-assumption scenarios and their controls share one layout: group A never reaches
 masters 3 and 4, group B never reaches 0 and 1, so every hold is granted by exactly three masters
 and the two groups meet only on master 2. Whatever makes master 2 forget a key early (an empty
@@ -34,7 +41,7 @@ from .checker import Report, check
 from .client import ClientConfig, run_client
 from .cluster import Cluster, ClusterSpec
 from .nemesis import Nemesis
-from .register import CELERY_FAILURES, EVENTS, Register
+from .register import CELERY_FAILURES, EVENTS, FENCED_PREFIX, Register
 
 SHARED_ONLY_ON_2 = {0: (3, 4), 1: (0, 1)}
 
@@ -59,23 +66,32 @@ class Scenario:
     limit: str = ""  # for a violation: the known limit and the operator rule that avoids it
     celery_workers: int = 0  # > 0: the workload is RedlockTask runs in real prefork workers
     client_mode: str = "plain"  # plain, waiting, fair or reentrant (see client.py)
+    fenced: int = 0  # fenced resources (fres<i>) beside the plain ones; not with fair or reentrant
+    # Lost updates on the plain resources: forbidden, or required (a stale writer's, shown).
+    plain_lost: Literal["forbidden", "required"] = "forbidden"
+    # The fence checks: asserted (safe), or only reported (outside the assumptions).
+    fenced_expect: Literal["safe", "reported"] = "safe"
 
 
 SCENARIOS: list[Scenario] = [
-    Scenario("kill-delayed", "kill 1-2 masters, restart empty after 1.5 x TTL", faults=["kill_delayed"]),
+    Scenario(
+        "kill-delayed", "kill 1-2 masters, restart empty after 1.5 x TTL", faults=["kill_delayed"], fenced=1
+    ),
     Scenario(
         "kill-fsync",
         "kill 1-2 masters, restart at once with appendfsync-always data",
         cluster=ClusterSpec(persistent=True),
         faults=["kill_fsync"],
+        fenced=1,
     ),
-    Scenario("pause-master", "SIGSTOP 1-2 masters for 1.5 x TTL", faults=["pause_master"]),
+    Scenario("pause-master", "SIGSTOP 1-2 masters for 1.5 x TTL", faults=["pause_master"], fenced=1),
     Scenario(
         "partition",
         "2 client groups, each with its own drop/delay/black-hole/cut faults",
         cluster=ClusterSpec(groups=2),
         faults=["partition"],
         threads=2,
+        fenced=1,
     ),
     Scenario(
         "client-pause",
@@ -85,6 +101,22 @@ SCENARIOS: list[Scenario] = [
         processes=3,
         resources=1,
         ttl=0.5,
+        fenced=1,
+    ),
+    Scenario(
+        "stale-writer",
+        "a holder (thread or process) pauses after its last ensure() and before its write, past "
+        "its validity, then writes: plain and fenced resources",
+        faults=["stale_writer"],
+        threads=2,
+        processes=2,
+        resources=1,
+        fenced=1,
+        ttl=0.5,
+        plain_lost="required",
+        limit="a holder that pauses between its last check and its write writes after its lease "
+        "ended; no client-side check closes that window: lock with fenced=True and have the "
+        "resource refuse stale fences (celery_redlock.fenced)",
     ),
     Scenario(
         "combined",
@@ -93,6 +125,7 @@ SCENARIOS: list[Scenario] = [
         faults=["kill_delayed", "kill_fsync", "pause_master", "partition", "client_pause"],
         concurrent=True,
         threads=2,
+        fenced=1,
     ),
     Scenario(
         "clock-bounded",
@@ -104,6 +137,7 @@ SCENARIOS: list[Scenario] = [
         hold=(0.3, 0.7),
         abandon=0.4,
         available=False,
+        fenced=1,
     ),
     Scenario(
         "clock-fast",
@@ -119,6 +153,8 @@ SCENARIOS: list[Scenario] = [
         limit="a master whose clock runs faster than drift_factor allows expires keys early; "
         "keep masters on NTP-slewed clocks (never stepped) and drift_factor above "
         "the worst rate error",
+        fenced=1,
+        fenced_expect="reported",
     ),
     Scenario(
         "restart-empty",
@@ -137,6 +173,8 @@ SCENARIOS: list[Scenario] = [
         limit="a master that restarts without its data forgets the locks it granted; "
         "keep a restarted master out for longer than the largest TTL, or run it "
         "with appendfsync always",
+        fenced=1,
+        fenced_expect="reported",
     ),
     Scenario(
         "restart-delayed",
@@ -151,6 +189,7 @@ SCENARIOS: list[Scenario] = [
         hold=(0.3, 0.7),
         abandon=0.0,
         available=False,
+        fenced=1,
     ),
     Scenario(
         "restart-fsync",
@@ -165,6 +204,7 @@ SCENARIOS: list[Scenario] = [
         hold=(0.3, 0.7),
         abandon=0.0,
         available=False,
+        fenced=1,
     ),
     Scenario(
         "waiting",
@@ -175,6 +215,7 @@ SCENARIOS: list[Scenario] = [
         threads=2,
         processes=2,
         resources=1,
+        fenced=1,  # fenced waiters too: woken by the release, and by the holder's expiry
     ),
     Scenario(
         "fair",
@@ -204,6 +245,23 @@ SCENARIOS: list[Scenario] = [
         threads=0,
         processes=0,
         hold=(0.3, 0.6),
+        fenced=1,
+    ),
+    Scenario(
+        "stale-writer-celery",
+        "a RedlockTask's pool child SIGSTOPs itself after its last ensure() and before its write, "
+        "past its validity, then writes: plain and fenced (lock_fenced=True) resources",
+        faults=["stale_writer"],
+        celery_workers=2,
+        threads=0,
+        processes=0,
+        resources=1,
+        fenced=1,
+        ttl=0.5,
+        hold=(0.3, 0.6),
+        plain_lost="required",
+        limit="as stale-writer: the heartbeat stops with the paused child, and nothing in the task "
+        "can notice before the write; lock_fenced=True and a fenced resource refuse it",
     ),
 ]
 BY_NAME = {scenario.name: scenario for scenario in SCENARIOS}
@@ -228,8 +286,10 @@ class Result:
         if scenario.expect == "violation":
             if not report.overlaps:
                 found.append("expected the checker to find an overlap; it found none")
+            if scenario.fenced_expect == "safe":
+                found += report.fence_problems()
         else:
-            found += report.problems()
+            found += report.problems(plain_lost=scenario.plain_lost)
             bound = availability_bound(scenario)
             if scenario.available and report.max_unavailable > bound:
                 found.append(
@@ -238,6 +298,27 @@ class Result:
         if scenario.faults and not self.fault_counts:
             found.append("no fault was injected")
         found += self._client_pause_problems()
+        found += self._fence_problems()
+        return found
+
+    def _fence_problems(self) -> list[str]:
+        """What the fenced resources and the stale writer must show (``report.problems()`` has
+        already judged the fence checks for a scenario expected to be safe)."""
+        report, scenario = self.report, self.scenario
+        found: list[str] = []
+        if scenario.fenced and not report.fenced_holds:
+            found.append("no fenced hold at all: the fenced resource was never taken")
+        if scenario.plain_lost == "required" and not report.lost_updates:
+            found.append("expected lost updates on the plain resource (a stale write); found none")
+        if "stale_writer" in scenario.faults:
+            written = {e["token"] for e in self.events if e["kind"] == "stale-write"}
+            found += [
+                f"{e['client']} paused as a stale writer and never wrote"
+                for e in self.events
+                if e["kind"] == "stale-paused" and e["token"] not in written
+            ]
+            if scenario.fenced and not report.stale_fenced_refused:
+                found.append("expected stale writes refused by the fenced resource; found none")
         return found
 
     def _client_pause_problems(self) -> list[str]:
@@ -298,7 +379,23 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
         nemesis = Nemesis(cluster, Register(cluster.register.url), random.Random(rng.random()), scenario.ttl)
         stack.callback(nemesis.register.close)
         stack.callback(nemesis.stop.set)
-        resources = [f"res{i}" for i in range(scenario.resources)]
+        plain = [f"res{i}" for i in range(scenario.resources)]
+        fenced = [f"{FENCED_PREFIX}{i}" for i in range(scenario.fenced)]
+        resources = plain + fenced
+        if "stale_writer" in scenario.faults:
+            counts = (
+                ("thread", scenario.threads),
+                ("process", scenario.processes),
+                ("child", scenario.celery_workers),
+            )
+            kinds = [kind for kind, count in counts if count]
+            classes = [c for c, n in (("plain", plain), ("fenced", fenced)) if n]
+            # In turn, both kinds on both classes: (thread, plain), (process, fenced), ...
+            nemesis.stale_targets = [
+                (kinds[(turn + j) % len(kinds)], resource_class)
+                for turn in range(len(kinds))
+                for j, resource_class in enumerate(classes)
+            ]
         key_prefix = f"faults:{scenario.name}:"
         broker = cluster.register.url.rsplit("/", 1)[0] + "/1"
         queue = f"faults-{uuid.uuid4().hex[:8]}"
@@ -314,6 +411,7 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                     ttl=scenario.ttl,
                     key_prefix=key_prefix,
                     queue=queue,
+                    stale="stale_writer" in scenario.faults,
                 )
             )
         until = time.monotonic() + duration
@@ -335,7 +433,7 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                             extend=scenario.extend,
                             key_prefix=key_prefix,
                             pausable=kind == "p",
-                            extra={"mode": scenario.client_mode},
+                            extra={"mode": scenario.client_mode, "stale": "stale_writer" in scenario.faults},
                         )
                     )
         processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -400,13 +498,14 @@ def run_scenario(scenario: Scenario, duration: float, seed: int) -> Result:
                     "failures": {_text(k): int(v) for k, v in failures.items()},
                 }
             )
-        logs = {r: [value for value, _ in register.log(r)] for r in resources}
+        logs = {r: [value for value, _ in register.log(r)] for r in plain}
+        fenced_logs = {r: [(value, fence or 0) for value, _, fence in register.fenced_log(r)] for r in fenced}
+        refused = {r: register.refused(r) for r in fenced}
         counters = {r: register.read(r) for r in resources}
         events = register.records(EVENTS)
         register.close()
-    result = Result(
-        scenario, duration, seed, check(records, logs, counters), events, nemesis.log, dict(nemesis.counts)
-    )
+    report = check(records, logs, counters, fenced_logs=fenced_logs, refused=refused, events=events)
+    result = Result(scenario, duration, seed, report, events, nemesis.log, dict(nemesis.counts))
     result.report_holds = [r for r in records if r["kind"] == "hold"]
     unfinished = [t.name for t in threads if t.is_alive()]
     if unfinished:

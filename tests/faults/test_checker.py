@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from celery_redlock.testing import find_overlaps
 
-from .checker import Hold, check, lost_updates, max_unavailable
+from .checker import Hold, check, fence_violations, fenced_lost_updates, lost_updates, max_unavailable
 
 
 def hold(
@@ -70,3 +72,125 @@ def test_check_reports_everything_from_records() -> None:
     assert [h.client for h in report.without_quorum] == ["b"]
     assert report.failures == {"contended": 4, "unreachable": 1}
     assert len(report.problems()) == 3
+
+
+def grant(client: str, invoked: float, acquired: float, fence: int | None, *, resource: str = "f") -> Hold:
+    """A fenced grant: acquire() called at ``invoked``, returned at ``acquired``."""
+    return Hold(
+        client,
+        resource,
+        f"{client}@{acquired}",
+        acquired,
+        acquired + 1.0,
+        None,
+        3,
+        3,
+        fence=fence,
+        t_invoked=invoked,
+    )
+
+
+def test_fences_that_follow_real_time_are_not_flagged() -> None:
+    holds = [grant("a", 0.0, 0.1, 5), grant("b", 0.2, 0.3, 9), grant("c", 0.4, 0.5, 10)]
+    assert fence_violations(holds) == []
+    # Calls that overlap in time are not ordered: either fence order is a linearization.
+    assert fence_violations([grant("a", 0.0, 1.0, 10), grant("b", 0.5, 1.2, 5)]) == []
+    # Touching is not before: b was invoked at the instant a returned.
+    assert fence_violations([grant("a", 0.0, 1.0, 10), grant("b", 1.0, 1.2, 5)]) == []
+    # Only grants of one resource are compared, and unfenced holds are ignored.
+    assert fence_violations([grant("a", 0.0, 0.1, 10), grant("b", 0.2, 0.3, 5, resource="g")]) == []
+    assert fence_violations([grant("a", 0.0, 0.1, 10), grant("b", 0.2, 0.3, None)]) == []
+
+
+def test_a_later_grant_with_a_lower_fence_is_flagged() -> None:
+    [found] = fence_violations([grant("a", 0.0, 0.1, 10), grant("b", 0.2, 0.3, 5)])
+    assert found.kind == "order" and (found.earlier.client, found.later.client) == ("a", "b")
+    assert str(found) == (
+        "f: a was granted fence 10 at 0.100, before b called acquire at 0.200 "
+        "and was granted the lower fence 5"
+    )
+    # Paired with the largest fence returned before it, not the latest grant (c's call overlaps
+    # a's, so c itself is not ordered after a).
+    holds = [grant("a", 0.0, 0.1, 20), grant("c", 0.05, 0.3, 12), grant("b", 0.4, 0.5, 15)]
+    [found] = fence_violations(holds)
+    assert (found.earlier.client, found.later.client) == ("a", "b")
+    # Each grant that breaks the order is reported once.
+    holds = [grant("a", 0.0, 0.1, 20), grant("b", 0.2, 0.3, 5), grant("c", 0.4, 0.5, 6)]
+    assert [(v.earlier.client, v.later.client) for v in fence_violations(holds)] == [("a", "b"), ("a", "c")]
+
+
+def test_a_fence_granted_twice_is_flagged_once_as_a_duplicate() -> None:
+    # In real time order or overlapping, equal fences are a duplicate, not an order violation.
+    for holds in (
+        [grant("a", 0.0, 0.1, 7), grant("b", 0.2, 0.3, 7)],
+        [grant("a", 0.0, 1.0, 7), grant("b", 0.5, 1.2, 7)],
+    ):
+        [found] = fence_violations(holds)
+        assert found.kind == "duplicate"
+        assert str(found) == "f: a and b were both granted fence 7"
+
+
+@pytest.mark.timeout(20)
+def test_the_fence_check_is_a_sweep_not_a_pairwise_search() -> None:
+    # 20000 grants in order plus one out of order at the end: found, in well under the timeout.
+    holds = [grant(f"c{i}", i * 1.0, i * 1.0 + 0.5, i + 10) for i in range(20_000)]
+    holds.append(grant("late", 30_000.0, 30_000.5, 3))
+    [found] = fence_violations(holds)
+    assert (found.earlier.client, found.later.client) == ("c19999", "late")
+
+
+def test_the_fenced_history_must_be_serial_in_fence_order() -> None:
+    assert fenced_lost_updates([(1, 5), (2, 7), (3, 9)], 3) == 0
+    assert fenced_lost_updates([(2, 7), (1, 5), (3, 9)], 3) == 0  # log order does not matter
+    assert fenced_lost_updates([], 0) == 0
+    # A stale writer (fence 6) read 1 and wrote 2 after fence 7 had: one write lost.
+    assert fenced_lost_updates([(1, 5), (2, 7), (2, 6)], 2) == 1
+    # Accepted out of fence order (3 under fence 7 before 2 under fence 9): both break the sequence.
+    assert fenced_lost_updates([(1, 5), (3, 7), (2, 9)], 2) == 2
+    # A write the log shows but the register does not end with.
+    assert fenced_lost_updates([(1, 5), (2, 7)], 1) == 1
+
+
+def test_check_reports_fences_refusals_and_stale_writes() -> None:
+    def record(h: Hold) -> dict[str, Any]:
+        return {
+            "kind": "hold",
+            "client": h.client,
+            "resource": h.resource,
+            "token": h.token,
+            "t_acquired": h.t_acquired,
+            "validity_end": h.t_acquired + 0.1,
+            "t_released": None,
+            "yes": 3,
+            "quorum": 3,
+            "wrote": True,
+            "lost": "",
+            "fence": h.fence,
+            "t_invoked": h.t_invoked,
+        }
+
+    records = [record(grant("a", 0.0, 0.1, 9)), record(grant("b", 0.2, 0.3, 4))]
+    events: list[dict[str, Any]] = [
+        {"kind": "stale-paused", "fence": 9},
+        {"kind": "stale-write", "fence": None, "accepted": True},
+        {"kind": "stale-write", "fence": 9, "accepted": False},
+        {"kind": "stale-write", "fence": 4, "accepted": True},
+    ]
+    report = check(
+        records,
+        {"r": [1, 1]},
+        {"r": 1, "f": 1},
+        fenced_logs={"f": [(1, 9), (2, 4)]},
+        refused={"f": 3},
+        events=events,
+    )
+    assert report.fenced_holds == 2 and report.writes == 4 and report.refused == 3
+    assert [v.kind for v in report.fence_violations] == ["order"]
+    assert report.lost_updates == 1 and report.lost_updates_fenced == 2
+    assert (report.stale_plain, report.stale_fenced_refused, report.stale_fenced_accepted) == (1, 1, 1)
+    # A stale writer's plain lost update may be required; fence problems never are.
+    assert report.problems(plain_lost="required") == [
+        f"fence violation {report.fence_violations[0]}",
+        "2 lost update(s) in the fenced register",
+    ]
+    assert "1 lost update(s) in the register" in report.problems()
