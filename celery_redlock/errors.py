@@ -93,6 +93,18 @@ class LockNotAcquired(RedlockError):
         lines += [f"  {vote}" for vote in self.votes]
         return "\n".join(lines)
 
+    def naming(self, holder: str) -> LockNotAcquired:
+        """This error, saying who holds the lock (``holder`` as ``describe_holder`` reads it)."""
+        return LockNotAcquired(
+            self.resource,
+            self.votes,
+            attempts=self.attempts,
+            elapsed=self.elapsed,
+            validity=self.validity,
+            quorum=self.quorum,
+            holder=holder,
+        )
+
     @property
     def held_by_other(self) -> bool:
         """True when the masters that refused did so because another token holds the key."""

@@ -777,17 +777,7 @@ def _json_name(task: Any) -> str:
 
 def _naming_holder(error: LockNotAcquired, text: str | None) -> LockNotAcquired:
     """``error`` naming who holds the lock, when a quorum agreed on one (``text``)."""
-    if text is None:
-        return error
-    return LockNotAcquired(
-        error.resource,
-        error.votes,
-        attempts=error.attempts,
-        elapsed=error.elapsed,
-        validity=error.validity,
-        quorum=error.quorum,
-        holder=describe_holder(text),
-    )
+    return error if text is None else error.naming(describe_holder(text))
 
 
 def _holder_task(holder: str | None) -> str | None:

@@ -506,15 +506,7 @@ class Lock:
                 # Say who holds it: one more round, on the failure path only.
                 text = self.redlock.holder(self.name)
                 if text is not None:
-                    error = LockNotAcquired(
-                        error.resource,
-                        error.votes,
-                        attempts=error.attempts,
-                        elapsed=error.elapsed,
-                        validity=error.validity,
-                        quorum=error.quorum,
-                        holder=describe_holder(text),
-                    )
+                    error = error.naming(describe_holder(text))
             raise error
         return self
 
