@@ -72,7 +72,7 @@ def faketime_library() -> str:
         if candidate and os.path.exists(candidate):
             return candidate
     raise ServerError(
-        "clock_rate needs libfaketime (apt-get install faketime) or "
+        "clock_rate and clock_offset need libfaketime (apt-get install faketime) or "
         f"{FAKETIME_LIBRARY_ENV} naming libfaketime.so.1"
     )
 
@@ -114,7 +114,10 @@ class RedisServer:
     ``persistent=True`` runs it with an append-only file and ``appendfsync always``, so
     ``restart(keep_data=True)`` brings its keys back, as the Redlock safety notes require for
     a master that restarts without a delay. ``clock_rate`` runs it under libfaketime with its
-    clock running that many times as fast as real time (needs Debian's ``faketime``).
+    clock running that many times as fast as real time, and ``clock_offset`` with its clock that
+    many seconds ahead of real time (behind, if negative); both combine into one libfaketime spec
+    (``FAKETIME="+60.000000 x2.0"``), and both need Debian's ``faketime``. A rate counts from the
+    process's start, so a restarted server starts again at real time plus the offset.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class RedisServer:
         binary: str | None = None,
         persistent: bool = False,
         clock_rate: float | None = None,
+        clock_offset: float | None = None,
         extra_args: Sequence[str] = (),
     ) -> None:
         self.host = host
@@ -132,6 +136,7 @@ class RedisServer:
         self.binary = binary or server_binary()
         self.persistent = persistent
         self.clock_rate = clock_rate
+        self.clock_offset = clock_offset
         self.extra_args = tuple(extra_args)
         self.dir = Path(tempfile.mkdtemp(prefix=f"redlock-{self.port}-"))
         self._proc: subprocess.Popen[bytes] | None = None
@@ -190,12 +195,25 @@ class RedisServer:
         args += list(self.extra_args)
         return args
 
+    def faketime_spec(self) -> str | None:
+        """The libfaketime ``FAKETIME`` value for this server's clock, or None for the real one:
+        a relative offset in seconds, then the rate (``+60.000000 x1.005``). Fixed-point numbers
+        with a dot, which the server's C numeric locale reads (``-30.5`` is 30.5 s behind), and no
+        letter in the offset (libfaketime scales it by ``m``, ``h``, ``d`` or ``y``)."""
+        if self.clock_rate is None and self.clock_offset is None:
+            return None
+        spec = f"{self.clock_offset or 0.0:+.6f}"
+        if self.clock_rate is not None:
+            spec += f" x{float(self.clock_rate)!r}"
+        return spec
+
     def _environment(self) -> dict[str, str] | None:
-        if self.clock_rate is None:
+        spec = self.faketime_spec()
+        if spec is None:
             return None
         # Preloaded into the server itself rather than through the `faketime` command, which
         # forks: its pid would not be the server's, and kill/pause would miss the server.
-        return {**os.environ, "LD_PRELOAD": faketime_library(), "FAKETIME": f"+0 x{self.clock_rate}"}
+        return {**os.environ, "LD_PRELOAD": faketime_library(), "FAKETIME": spec}
 
     def start(self) -> RedisServer:
         if self.running:

@@ -43,7 +43,7 @@ from celery_redlock.testing import ServerSet
 
 from .conftest import wait_for
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.explore]
 
 WAIT_POLL = 0.5
 ENTRY_TTL = 2.0  # max(2 s, 4 * WAIT_POLL): see fair.py

@@ -31,6 +31,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+pytestmark = pytest.mark.explore
+
 N = 5
 QUORUM = N // 2 + 1
 

@@ -35,7 +35,7 @@ from celery_redlock.testing import ProxySet, ServerSet
 
 from .conftest import keys_on, wait_for
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.explore]
 
 ENTRY_TTL = 2.0  # max(2 s, 4 * wait_poll) for the wait_poll used here
 

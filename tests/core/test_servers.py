@@ -78,6 +78,29 @@ def test_a_skewed_clock_runs_fast_and_its_server_is_the_process_we_hold() -> Non
     assert gone(pid)
 
 
+def test_a_clock_offset_shifts_the_server_clock_and_keeps_relative_expiry() -> None:
+    try:
+        faketime_library()
+    except ServerError as exc:
+        pytest.skip(str(exc))
+    assert RedisServer(clock_offset=60).faketime_spec() == "+60.000000"
+    assert RedisServer(clock_offset=-0.5, clock_rate=2).faketime_spec() == "-0.500000 x2.0"
+    assert RedisServer(clock_rate=1.005).faketime_spec() == "+0.000000 x1.005"
+    assert RedisServer().faketime_spec() is None
+    server = RedisServer(clock_offset=60.0).start()
+    try:
+        for _ in range(2):  # and again after an empty restart: the offset is the process's own
+            client = server.client()
+            seconds, micros = client.time()
+            assert abs(seconds + micros / 1e6 - time.time() - 60.0) < 1.0
+            client.set("k", "1", px=5000)  # PX is relative: the offset does not expire it
+            assert 4000 < client.pttl("k") <= 5000
+            client.close()
+            server.restart(keep_data=False)
+    finally:
+        server.cleanup()
+
+
 @pytest.mark.timeout(60)
 def test_a_pytest_run_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> None:
     """The pytest plugin turns SIGTERM (how CI runners stop a job) into an orderly stop, so the

@@ -60,6 +60,8 @@ from celery_redlock.lock.masters import BACKOFF_CAP
 from celery_redlock.testing import Hold, Proxy, ProxySet, ServerSet, find_overlaps
 from celery_redlock.testing.proxy import _Pipe
 
+pytestmark = pytest.mark.explore
+
 MASTERS = 5
 QUORUM = MASTERS // 2 + 1
 CLIENTS = 2  # two Redlocks: two processes' worth of subscribers

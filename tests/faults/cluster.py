@@ -20,6 +20,7 @@ MASTERS = 5
 class ClusterSpec:
     persistent: bool = False
     clock_rates: Mapping[int, float] = field(default_factory=dict)  # master index -> clock rate
+    clock_offsets: Mapping[int, float] = field(default_factory=dict)  # master index -> seconds ahead
     groups: int = 1
     proxies: bool = False  # route clients through proxies (always, with more than one group)
     cut_from: Mapping[int, Sequence[int]] = field(default_factory=dict)  # group -> masters
@@ -29,7 +30,11 @@ class Cluster:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.masters = [
-            RedisServer(persistent=spec.persistent, clock_rate=spec.clock_rates.get(i))
+            RedisServer(
+                persistent=spec.persistent,
+                clock_rate=spec.clock_rates.get(i),
+                clock_offset=spec.clock_offsets.get(i),
+            )
             for i in range(MASTERS)
         ]
         self.register = RedisServer()

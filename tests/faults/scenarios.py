@@ -12,10 +12,18 @@ scenario shows what fencing is for: a holder paused between its last ``ensure()`
 writes late, which on the plain resource **must** lose an update (Redlock's known limit, shown)
 and on the fenced one must be refused.
 
-The two out-of-assumption scenarios and their controls share one layout: group A never reaches
-masters 3 and 4, group B never reaches 0 and 1, so every hold is granted by exactly three masters
-and the two groups meet only on master 2. Whatever makes master 2 forget a key early (an empty
-restart, a fast clock) lets the other group in while the holder still holds.
+``fence-clock-ahead`` is built to break fences outside their assumptions, so the fence check must
+*find* violations (``fenced_expect="required"``): master 0's clock runs 60 s ahead, so fences
+from quorums that include it carry its clock; group 1 never reaches master 0; masters 1-4 are
+killed and restarted empty without delay, losing their counters (and keys: the lock overlaps
+too), and the next quorum without master 0 reads only the normal clocks and issues a lower
+fence. Its control, ``fence-clock-ahead-fsync``, keeps the counters (``appendfsync always``):
+no violation.
+
+The two out-of-assumption lock scenarios and their controls share one layout: group A never
+reaches masters 3 and 4, group B never reaches 0 and 1, so every hold is granted by exactly three
+masters and the two groups meet only on master 2. Whatever makes master 2 forget a key early (an
+empty restart, a fast clock) lets the other group in while the holder still holds.
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ from .nemesis import Nemesis
 from .register import CELERY_FAILURES, EVENTS, FENCED_PREFIX, Register
 
 SHARED_ONLY_ON_2 = {0: (3, 4), 1: (0, 1)}
+# fence-clock-ahead: master 0's clock this many seconds ahead of the others (libfaketime), and
+# group 1 never reaches it, so its quorums read only the counters and clocks of masters 1-4.
+FAST_MASTER_0 = {0: 60.0}
+WITHOUT_0 = {1: (0,)}
 
 
 @dataclass(frozen=True)
@@ -69,8 +81,9 @@ class Scenario:
     fenced: int = 0  # fenced resources (fres<i>) beside the plain ones; not with fair or reentrant
     # Lost updates on the plain resources: forbidden, or required (a stale writer's, shown).
     plain_lost: Literal["forbidden", "required"] = "forbidden"
-    # The fence checks: asserted (safe), or only reported (outside the assumptions).
-    fenced_expect: Literal["safe", "reported"] = "safe"
+    # The fence checks: asserted (safe), only reported (outside the assumptions), or violations
+    # required (a scenario built to break fences: the checker must find it).
+    fenced_expect: Literal["safe", "reported", "required"] = "safe"
 
 
 SCENARIOS: list[Scenario] = [
@@ -207,6 +220,38 @@ SCENARIOS: list[Scenario] = [
         fenced=1,
     ),
     Scenario(
+        "fence-clock-ahead",
+        "master 0's clock 60 s ahead, group 1 cut from it; masters 1-4 killed and restarted empty at once",
+        cluster=ClusterSpec(groups=2, cut_from=WITHOUT_0, clock_offsets=FAST_MASTER_0),
+        faults=["kill_empty"],
+        victims=[1, 2, 3, 4],
+        threads=2,
+        processes=1,
+        resources=1,
+        hold=(0.3, 0.7),
+        expect="violation",
+        available=False,
+        limit="the clock floor covers a master that lost its counter only if its clock is not "
+        "behind the clock that issued recent fences by more than its downtime; run masters with "
+        "appendfsync always (or keep an emptied one out for longer than the worst clock error), "
+        "on NTP-slewed clocks",
+        fenced=1,
+        fenced_expect="required",
+    ),
+    Scenario(
+        "fence-clock-ahead-fsync",
+        "as fence-clock-ahead, restarted at once with appendfsync-always data",
+        cluster=ClusterSpec(groups=2, cut_from=WITHOUT_0, persistent=True, clock_offsets=FAST_MASTER_0),
+        faults=["kill_fsync"],
+        victims=[1, 2, 3, 4],
+        threads=2,
+        processes=1,
+        resources=1,
+        hold=(0.3, 0.7),
+        available=False,
+        fenced=1,
+    ),
+    Scenario(
         "waiting",
         "clients block in acquire(timeout), woken by releases: masters killed and paused, "
         "their pub/sub connections dropped, a holder process SIGSTOPped",
@@ -308,6 +353,8 @@ class Result:
         found: list[str] = []
         if scenario.fenced and not report.fenced_holds:
             found.append("no fenced hold at all: the fenced resource was never taken")
+        if scenario.fenced_expect == "required" and not report.fence_violations:
+            found.append("expected the fence check to find a fence gone backwards; it found none")
         if scenario.plain_lost == "required" and not report.lost_updates:
             found.append("expected lost updates on the plain resource (a stale write); found none")
         if "stale_writer" in scenario.faults:

@@ -8,7 +8,15 @@ import pytest
 
 from celery_redlock.testing import find_overlaps
 
-from .checker import Hold, check, fence_violations, fenced_lost_updates, lost_updates, max_unavailable
+from .checker import (
+    Hold,
+    Report,
+    check,
+    fence_violations,
+    fenced_lost_updates,
+    lost_updates,
+    max_unavailable,
+)
 
 
 def hold(
@@ -194,3 +202,27 @@ def test_check_reports_fences_refusals_and_stale_writes() -> None:
         "2 lost update(s) in the fenced register",
     ]
     assert "1 lost update(s) in the register" in report.problems()
+
+
+def test_a_scenario_built_to_break_fences_fails_if_the_check_finds_nothing() -> None:
+    from celery_redlock.testing.overlap import Overlap
+
+    from .scenarios import BY_NAME, Result
+
+    def result(name: str, holds: list[Hold]) -> Result:
+        report = Report(holds=len(holds), fenced_holds=len(holds), fence_violations=fence_violations(holds))
+        if BY_NAME[name].expect == "violation":
+            first, second = (h.window() for h in holds[:2])
+            report.overlaps = [Overlap(first, second)]
+        return Result(BY_NAME[name], 11.0, 7, report, [], [], {"kill": 1})
+
+    backwards = [grant("a", 0.0, 0.1, 60_000_010), grant("b", 0.2, 0.3, 10)]
+    forwards = [grant("a", 0.0, 0.1, 10), grant("b", 0.2, 0.3, 60_000_010)]
+    assert result("fence-clock-ahead", backwards).problems() == []
+    assert result("fence-clock-ahead", forwards).problems() == [
+        "expected the fence check to find a fence gone backwards; it found none"
+    ]
+    # Its control, with the counters kept, must show none.
+    assert result("fence-clock-ahead-fsync", forwards).problems() == []
+    [problem] = result("fence-clock-ahead-fsync", backwards).problems()
+    assert problem.startswith("fence violation f: a was granted fence 60000010")

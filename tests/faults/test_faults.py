@@ -21,7 +21,7 @@ SEED = int(os.environ.get("FAULTS_SEED", "7"))
 @pytest.mark.timeout(SECONDS + 90)
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_scenario(scenario: Scenario) -> None:
-    if scenario.cluster.clock_rates and shutil.which("faketime") is None:
+    if (scenario.cluster.clock_rates or scenario.cluster.clock_offsets) and shutil.which("faketime") is None:
         pytest.skip("needs Debian's faketime (apt-get install faketime; .ci/run installs it)")
     result = run_scenario(scenario, SECONDS, SEED)
     assert not result.problems(), details(result)
