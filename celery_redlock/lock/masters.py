@@ -144,6 +144,8 @@ class Outcome:
 
 
 _NOT_SENT = Outcome("error", detail="not sent")
+# A master's answer to EVALSHA of a script it does not have (restarted, SCRIPT FLUSH): nothing ran.
+NOSCRIPT = "NOSCRIPT"
 _LATE = Outcome("timeout", detail="no reply within request_timeout")
 _QUEUED_BEHIND_LATE = Outcome("timeout", detail="queued behind a reply that is late")
 # Why a Sentinel-managed master is refused.
@@ -157,6 +159,13 @@ _NOT_REDIS = "not-redis"
 # Lock commands answer with one of a handful of values; their outcomes are shared, not rebuilt
 # once per master per round (Outcome is immutable).
 _COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}
+
+
+def common_outcome(value: Any) -> Outcome:
+    """The shared outcome of a reply ``value`` (b"OK", 1, 0 or None): compare by identity."""
+    return _COMMON_OK[value]
+
+
 # The outcome of a granted SET, shared by every master that granted one, and of a SET NX
 # refused because the key is there.
 GRANTED = _COMMON_OK[b"OK"]
@@ -1502,6 +1511,8 @@ class Round:
 
     def _uncommon(self, i: int, reply: Any, command: Command | None) -> Outcome:
         """The outcome of a reply that is not one of the usual few (off the usual path)."""
+        if isinstance(reply, wire.ReplyError) and reply.startswith(NOSCRIPT):
+            return Outcome("error", detail=f"ResponseError: {reply}")  # the caller sends the source
         if isinstance(reply, wire.ReplyError):
             # No lock command fails on a master that serves us; one that does (NOPERM, READONLY,
             # OOM, MOVED, CLUSTERDOWN, ...) would otherwise only show as a vote that never
@@ -1559,3 +1570,9 @@ class Round:
 def script_template(script: scripts.Script, keys: int, args: int) -> wire.Template:
     """``EVAL`` of ``script`` with its source packed once: ``.pack(*keys, *args)`` per call."""
     return wire.Template(("EVAL", script.source, keys, *[wire.SLOT] * (keys + args)))
+
+
+def script_sha_template(script: scripts.Script, keys: int, args: int) -> wire.Template:
+    """``EVALSHA`` of ``script``; a master that does not have it answers NOSCRIPT and runs
+    nothing, so the caller may send the ``EVAL`` form to it instead (see fencing.py)."""
+    return wire.Template(("EVALSHA", script.sha1, keys, *[wire.SLOT] * (keys + args)))

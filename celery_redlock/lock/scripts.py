@@ -8,13 +8,19 @@ fail with NOSCRIPT after a ``SCRIPT FLUSH``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Script:
     name: str
     source: str
+    # The digest EVALSHA names the script by (see fencing.py: its two rounds send it by digest).
+    sha1: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha1", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 # Acquire is not a script: a plain ``SET key token NX PX ttl`` is the cheapest grant a master can
