@@ -17,6 +17,21 @@ if shutil.which("redis-server"):
     BINARIES.append("redis-server")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The explore tests (hypothesis machines, adversarial reviews) attack the protocol, not a
+    server binary: they run on the embedded one only. Every other core test runs on both, which
+    is where the binaries' parity is shown; doubling the minutes of the explorations shows
+    nothing more."""
+    keep, skip = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        on_system = callspec is not None and callspec.params.get("server_set") == "redis-server"
+        (skip if on_system and item.get_closest_marker("explore") else keep).append(item)
+    if skip:
+        config.hook.pytest_deselected(items=skip)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session", params=BINARIES)
 def server_set(request: pytest.FixtureRequest) -> Iterator[ServerSet]:
     binary = None if request.param == "embedded" else shutil.which("redis-server")
