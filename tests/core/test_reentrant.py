@@ -176,8 +176,13 @@ def test_reentry_into_a_lost_lock_raises(masters: ServerSet) -> None:
         assert taker
         with pytest.raises(LockLost):
             lock.acquire(blocking=False)
+        # The taker holds on a quorum at least (a master where the old key outlived the others
+        # by a moment refused it: CI saw [[1], [1], [], [], [1]]).
+        taken = counts(masters, "redlock:lost")
+        assert sum(1 for held in taken if held == [1]) >= 3, taken
         lock.release()  # the final exit of a lost holding sends a release that deletes nothing
-        assert counts(masters, "redlock:lost") == [[1]] * 5
+        time.sleep(0.2)  # the release is sent, not waited for: what must not happen gets time to
+        assert counts(masters, "redlock:lost") == taken
 
 
 def test_mixing_kinds_is_a_clear_error(rl: Redlock, masters: ServerSet) -> None:
