@@ -1,7 +1,7 @@
 """Throughput of no-op tasks through a real worker: plain, locked by RedlockTask, and the floor.
 
     python benchmarks/bench_celery.py [--tasks 2000] [--rounds 5] [--pools solo,prefork]
-                                      [--masters 1,3,5] [--linger SECONDS]
+                                      [--masters 1,3,5]
 
 Starts its own broker/backend server and lock masters on free loopback ports, and one real
 ``celery worker`` per (master count, pool). Each worker runs ``--rounds`` rounds; a round is three
@@ -9,10 +9,12 @@ batches of ``--tasks`` no-op tasks, in an order that rotates from round to round
 
 - ``plain``: no lock at all;
 - ``locked``: ``RedlockTask`` with a distinct key per task (never reused);
-- ``floor``: the least any Redlock task has to do, written inline in ``before_start``: ``SET key
-  token NX PX ttl`` to every master over a plain socket, count the OKs, and send the release
-  (compare-and-delete) in front of the next task's SET. No timeouts, no votes, no heartbeat, no
-  error handling: a same-run yardstick, not a lock anyone should use.
+- ``floor``: the least any Redlock task has to do, written inline: ``SET key token NX PX ttl`` to
+  every master over a plain socket in ``before_start``, count the OKs, and, as the body ends and
+  before Celery stores the result, the release (compare-and-delete) with its replies read (a
+  lock whose release lands after the run's completion is visible lets the next step of the same
+  resource find it held). No timeouts, no votes, no heartbeat, no error handling: a same-run
+  yardstick, not a lock anyone should use.
 
 With ``--publish N`` (default 2000; 0 skips it) it also measures the *publish rate*: calls/s of
 ``apply_async`` from one thread of this process into a queue nobody consumes, in alternating
@@ -54,8 +56,6 @@ APP_SOURCE = textwrap.dedent('''
 
     app = Celery("benchapp", broker=os.environ["BENCH_BROKER"], backend=os.environ["BENCH_BROKER"])
     app.conf.update(redlock_masters=os.environ["BENCH_MASTERS"], worker_prefetch_multiplier=16)
-    if os.environ.get("BENCH_LINGER"):
-        app.conf.redlock_release_linger = float(os.environ["BENCH_LINGER"])
 
     @app.task(name="bench.plain")
     def plain(i):
@@ -68,27 +68,27 @@ APP_SOURCE = textwrap.dedent('''
     floor_state = {"pid": None}
 
     class FloorTask(Task):
-        """The floor (benchmarks/floor.py): raw SET NX PX, the release carried by the next one."""
+        """The floor (benchmarks/floor.py): raw SET NX PX, released as the body ends."""
 
         abstract = True
 
         def before_start(self, task_id, args, kwargs):
             if floor_state["pid"] != os.getpid():  # connections of this process's own
                 urls = os.environ["BENCH_MASTERS"].split(",")
-                floor_state.update(pid=os.getpid(), masters=RawMasters(urls), carry=b"")
+                floor_state.update(pid=os.getpid(), masters=RawMasters(urls))
             masters = floor_state["masters"]
             key, token = "floor:%s" % args[0], os.urandom(20).hex()
-            granted = masters.call(floor_state["carry"] + pack("SET", key, token, "NX", "PX", 30000))
-            floor_state["carry"] = b""
+            granted = masters.call(pack("SET", key, token, "NX", "PX", 30000))
             if sum(reply == b"+OK" for reply in granted) < masters.quorum:
                 raise RuntimeError(f"floor: no quorum granted {key}")
             self.request.floor_lock = (key, token)
 
-        def after_return(self, status, retval, task_id, args, kwargs, einfo):
-            key, token = self.request.floor_lock
-            masters = floor_state["masters"]
-            floor_state["carry"] += pack("EVAL", RELEASE_SOURCE, 1, key, token)
-            masters.owed = [owed + 1 for owed in masters.owed]
+        def __call__(self, *args, **kwargs):
+            try:
+                return self.run(*args, **kwargs)
+            finally:
+                key, token = self.request.floor_lock
+                floor_state["masters"].call(pack("EVAL", RELEASE_SOURCE, 1, key, token))
 
     @app.task(base=FloorTask, name="bench.floor")
     def floor(i):
@@ -134,12 +134,6 @@ def main() -> None:
     parser.add_argument("--pools", default="solo,prefork")
     parser.add_argument("--concurrency", type=int, default=2, help="prefork children")
     parser.add_argument(
-        "--linger",
-        type=float,
-        default=None,
-        help="redlock_release_linger for the worker (default: the setting's)",
-    )
-    parser.add_argument(
         "--masters", default="5", help="comma-separated lock master counts to measure, e.g. 1,3,5"
     )
     parser.add_argument("--publish", type=int, default=2000, help="apply_async calls per publish batch")
@@ -160,7 +154,6 @@ def main() -> None:
             env = {
                 "BENCH_BROKER": broker.url,
                 "BENCH_MASTERS": ",".join(masters.urls[:count]),
-                "BENCH_LINGER": "" if args.linger is None else str(args.linger),
             }
             pids = [pid for pid in (m.pid for m in list(masters)[:count]) if pid is not None]
             for pool in args.pools.split(","):

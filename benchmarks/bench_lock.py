@@ -1,17 +1,17 @@
 """Redlock's cost over N loopback masters, against the floor of the same commands with no lock logic.
 
 Run:  python benchmarks/bench_lock.py [--masters 1,3,5] [--iterations 3000] [--duration 10]
-                                      [--processes 8] [--skip-degraded]
+                                      [--processes 8] [--skip-degraded] [--transports fast,redis-py]
 
 The script starts its own masters (``celery_redlock.testing.ServerSet``; set
 ``CELERY_REDLOCK_SERVER_BIN`` to run another binary) and stops them when it ends.
 
 Uncontended: one thread, one resource, ``acquire(blocking=False)`` then ``release()``, timed per
 iteration. The *floor* is the least any client could do for the same lock: ``SET key token NX PX
-ttl`` written to every master's socket and every reply read, then the release script (EVAL)
-written to every socket, its replies read just before the next command on each connection (as
-Redlock does: a release is sent, not waited for), over raw blocking sockets with no parser
-beyond counting lines (``benchmarks/floor.py``). Redlock and
+ttl`` written to every master's socket and every reply read, then the release script (by
+digest, EVALSHA, as the library sends every script) written to every socket and its replies
+read (as Redlock's release does: it returns once the masters answered), over raw blocking
+sockets with no parser beyond counting lines (``benchmarks/floor.py``). Redlock and
 floor run in alternating blocks in the same process, so both see the same machine load; the
 ratio is what the lock logic costs.
 
@@ -26,6 +26,11 @@ for both.
 Degraded: the uncontended Redlock loop at the largest N, over N running masters and over the same
 masters with one of them stopped (its port refuses connections; it was up when the Redlock
 connected, and killed after), in alternating blocks: what a dead master costs every lock.
+
+Each Redlock row is run once per transport of ``--transports`` (default both): the fast one
+(``transport="fast"``, the default) and the plain redis-py reference
+(``lock/transport/reference.py``), side by side in the same blocks and slices, so that what the
+fast transport's extra code buys is a number.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import redis
 from floor import RawMasters
 
 from celery_redlock import Redlock
+from celery_redlock.lock.redlock import TRANSPORTS
 from celery_redlock.testing import RedisServer, ServerSet
 
 TTL = 10.0
@@ -58,12 +64,16 @@ TTL_MS = int(TTL * 1000)
 
 
 def floor_try(floor: RawMasters, key: str) -> bool:
-    """One contended attempt: a hold is a quorum of OKs; every OK is then released."""
+    """One contended attempt: a hold is a quorum of OKs, then released with its replies read (as
+    Redlock's release); a failed attempt's OKs are retracted without waiting (as Redlock's)."""
     token = secrets.token_hex(20)
     won = floor.set_nx(key, token, TTL_MS)
-    if won:
+    if len(won) >= floor.quorum:
         floor.release(key, token, won)
-    return len(won) >= floor.quorum
+        return True
+    if won:
+        floor.retract(key, token, won)
+    return False
 
 
 # -- uncontended ----------------------------------------------------------------------------------
@@ -129,53 +139,65 @@ def alternate(
     return list(samples.values())
 
 
+def impl(kind: str, transport: str, transports: Sequence[str]) -> str:
+    """A row's name: the kind, and its transport when more than one is run."""
+    return kind if len(transports) == 1 and transport == "fast" else f"{kind} ({transport})"
+
+
 def uncontended(
-    urls: Sequence[str], iterations: int, warmup: int, block: int
-) -> tuple[Samples, Samples, Samples]:
-    """Plain, fenced (``fenced=True``: two rounds per grant) and the raw floor, alternating."""
-    redlock = Redlock(urls, ttl=TTL)
+    urls: Sequence[str], iterations: int, warmup: int, block: int, transports: Sequence[str]
+) -> list[Samples]:
+    """Plain and fenced (``fenced=True``: two rounds per grant) over each transport, and the raw
+    floor (last), all alternating."""
+    redlocks = {t: Redlock(urls, ttl=TTL, transport=t) for t in transports}
     floor = RawMasters(urls)
     try:
-        steps = {
-            "redlock": redlock_step(redlock, "bench:uncontended:redlock"),
-            "fenced": redlock_step(redlock, "bench:uncontended:fenced", fenced=True),
-            "floor": floor_step(floor, "bench:uncontended:floor"),
-        }
-        lock, fenced, raw = alternate(steps, iterations, warmup, block)
-        return lock, fenced, raw
+        steps: dict[str, Callable[[], None]] = {}
+        for t, redlock in redlocks.items():
+            steps[impl("redlock", t, transports)] = redlock_step(redlock, f"bench:uncontended:redlock:{t}")
+            steps[impl("fenced", t, transports)] = redlock_step(
+                redlock, f"bench:uncontended:fenced:{t}", fenced=True
+            )
+        steps["floor"] = floor_step(floor, "bench:uncontended:floor")
+        return alternate(steps, iterations, warmup, block)
     finally:
         floor.close()
-        redlock.close()
+        for redlock in redlocks.values():
+            redlock.close()
 
 
-def degraded(urls: Sequence[str], iterations: int, warmup: int, block: int) -> tuple[Samples, Samples]:
-    """The uncontended Redlock loop over ``urls``, and over the same masters but the last, whose
-    place takes a master that is stopped after the Redlock has connected to it."""
+def degraded(
+    urls: Sequence[str], iterations: int, warmup: int, block: int, transports: Sequence[str]
+) -> list[tuple[Samples, Samples]]:
+    """Per transport, the uncontended Redlock loop over ``urls``, and over the same masters but
+    the last, whose place takes a master that is stopped after the Redlock has connected to it."""
     with RedisServer() as doomed:
-        healthy = Redlock(urls, ttl=TTL)
-        hurt = Redlock([*urls[:-1], doomed.url], ttl=TTL)
+        pairs = {
+            t: (Redlock(urls, ttl=TTL, transport=t), Redlock([*urls[:-1], doomed.url], ttl=TTL, transport=t))
+            for t in transports
+        }
         try:
-            steps = {
-                "all up": redlock_step(healthy, "bench:degraded:healthy"),
-                "one stopped": redlock_step(hurt, "bench:degraded:hurt"),
-            }
+            steps: dict[str, Callable[[], None]] = {}
+            for t, (healthy, hurt) in pairs.items():
+                steps[impl("all up", t, transports)] = redlock_step(healthy, f"bench:degraded:healthy:{t}")
+                steps[impl("one stopped", t, transports)] = redlock_step(hurt, f"bench:degraded:hurt:{t}")
             for step in steps.values():
                 step()  # connected to every master while all are up
             doomed.kill()
-            up, down = alternate(steps, iterations, warmup, block)
-            return up, down
+            samples = alternate(steps, iterations, warmup, block)
+            return [(samples[2 * k], samples[2 * k + 1]) for k in range(len(pairs))]
         finally:
-            hurt.close()
-            healthy.close()
+            for healthy, hurt in pairs.values():
+                hurt.close()
+                healthy.close()
 
 
 # -- contended ------------------------------------------------------------------------------------
-KINDS = ("redlock", "floor")
-
-
-def slice_kind(index: int) -> str:
-    """Slices run A B B A A B B A ...: each kind goes first equally often, whatever the load does."""
-    return KINDS[((index + 1) // 2) % 2]
+def slice_kind(index: int, kinds: Sequence[str]) -> str:
+    """Slices run A B B A A B B A ... (A B C C B A ... for three kinds): each kind goes first and
+    last equally often, whatever the load does."""
+    turn, place = divmod(index, len(kinds))
+    return kinds[place if turn % 2 == 0 else len(kinds) - 1 - place]
 
 
 def contender(
@@ -187,29 +209,37 @@ def contender(
     slices: int,
     slice_length: float,
     retry_delay: float,
+    transports: Sequence[str],
 ) -> None:
-    """One competing process: tries both kinds, each during its own time slices.
+    """One competing process: tries every kind (a Redlock per transport, and the floor), each
+    during its own time slices.
 
-    Both kinds live in every process and alternate by the clock (CLOCK_MONOTONIC is shared by
-    all processes), so they see the same machine load; each has its own key.
+    Every kind lives in every process and they alternate by the clock (CLOCK_MONOTONIC is shared
+    by all processes), so they see the same machine load; each has its own key.
     """
-    redlock = Redlock(urls, ttl=TTL, retry_count=0)
-    lock = redlock.lock(f"{key}:redlock", ttl=TTL)
+    redlocks = [Redlock(urls, ttl=TTL, retry_count=0, transport=t) for t in transports]
     floor = RawMasters(urls)
     floor_key = f"{key}:floor"
 
-    def redlock_try() -> bool:
-        if lock.acquire(blocking=False):
-            lock.release()
-            return True
-        return False
+    def redlock_try(redlock: Redlock, name: str) -> Callable[[], bool]:
+        lock = redlock.lock(name, ttl=TTL)
+
+        def attempt() -> bool:
+            if lock.acquire(blocking=False):
+                lock.release()
+                return True
+            return False
+
+        return attempt
 
     tries: dict[str, Callable[[], bool]] = {
-        "redlock": redlock_try,
-        "floor": lambda: floor_try(floor, floor_key),
+        impl("redlock", t, transports): redlock_try(r, f"{key}:redlock:{t}")
+        for t, r in zip(transports, redlocks, strict=True)
     }
-    holds = dict.fromkeys(KINDS, 0)
-    attempts = dict.fromkeys(KINDS, 0)
+    tries["floor"] = lambda: floor_try(floor, floor_key)
+    kinds = list(tries)
+    holds = dict.fromkeys(kinds, 0)
+    attempts = dict.fromkeys(kinds, 0)
     try:
         for attempt in tries.values():  # connect before the clock starts
             attempt()
@@ -225,7 +255,7 @@ def contender(
             if now < t0:
                 time.sleep(t0 - now)
                 continue
-            kind = slice_kind(int((now - t0) / slice_length))
+            kind = slice_kind(int((now - t0) / slice_length), kinds)
             attempts[kind] += 1
             if tries[kind]():
                 holds[kind] += 1
@@ -234,7 +264,8 @@ def contender(
         results.put((os.getpid(), holds, attempts))
     finally:
         floor.close()
-        redlock.close()
+        for redlock in redlocks:
+            redlock.close()
 
 
 class StartSignal:
@@ -269,20 +300,26 @@ class Contended:
 
 
 def contended(
-    urls: list[str], processes: int, duration: float, slice_length: float, retry_delay: float
+    urls: list[str],
+    processes: int,
+    duration: float,
+    slice_length: float,
+    retry_delay: float,
+    transports: Sequence[str],
 ) -> dict[str, Contended]:
-    """Both kinds, ``duration`` seconds each, in alternating slices of ``slice_length``."""
+    """Every kind, ``duration`` seconds each, in alternating slices of ``slice_length``."""
     ctx = multiprocessing.get_context("spawn")
     start_at = StartSignal(ctx)
     ready = ctx.Queue()
     results = ctx.Queue()
-    slices = 2 * max(1, round(duration / slice_length))
-    slice_length = 2 * duration / slices
+    kinds = [*(impl("redlock", t, transports) for t in transports), "floor"]
+    slices = len(kinds) * max(1, round(duration / slice_length))
+    slice_length = len(kinds) * duration / slices
     key = f"bench:contended:{len(urls)}"
     procs = [
         ctx.Process(
             target=contender,
-            args=(urls, key, start_at, ready, results, slices, slice_length, retry_delay),
+            args=(urls, key, start_at, ready, results, slices, slice_length, retry_delay, list(transports)),
             daemon=True,
         )
         for _ in range(processes)
@@ -294,16 +331,16 @@ def contended(
             ready.get(timeout=60)
         # A short lead so every process is waiting on the clock, not still waking up.
         start_at.set(time.monotonic() + 0.2)
-        total_holds = dict.fromkeys(KINDS, 0)
-        total_attempts = dict.fromkeys(KINDS, 0)
+        total_holds = dict.fromkeys(kinds, 0)
+        total_attempts = dict.fromkeys(kinds, 0)
         for _ in procs:
-            _, holds, attempts = results.get(timeout=2 * duration + CONTENDED_GRACE)
-            for kind in KINDS:
+            _, holds, attempts = results.get(timeout=len(kinds) * duration + CONTENDED_GRACE)
+            for kind in kinds:
                 total_holds[kind] += holds[kind]
                 total_attempts[kind] += attempts[kind]
         for proc in procs:
             proc.join(timeout=10)
-        return {kind: Contended(kind, total_holds[kind], total_attempts[kind], duration) for kind in KINDS}
+        return {kind: Contended(kind, total_holds[kind], total_attempts[kind], duration) for kind in kinds}
     finally:
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:
@@ -350,6 +387,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="contended retry: random delay in [0, this) s (0 = retry at once)",
     )
+    parser.add_argument(
+        "--transports",
+        default=",".join(TRANSPORTS),
+        help=f"Redlock transports to run side by side, of {', '.join(TRANSPORTS)}",
+    )
     parser.add_argument("--skip-contended", action="store_true")
     parser.add_argument("--skip-uncontended", action="store_true")
     parser.add_argument("--skip-degraded", action="store_true")
@@ -365,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.duration <= 0 or args.slice <= 0 or args.retry_delay < 0:
         parser.error("--duration and --slice must be > 0, --retry-delay >= 0")
+    transports = list(dict.fromkeys(t.strip() for t in args.transports.split(",") if t.strip()))
+    if not transports or not set(transports) <= set(TRANSPORTS):
+        parser.error(f"--transports: expected some of {', '.join(TRANSPORTS)}, got {args.transports!r}")
 
     print(
         f"python {sys.version.split()[0]}, redis-py {redis.__version__}, "
@@ -380,8 +425,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             urls = servers.urls[:n]
             if not args.skip_uncontended:
                 flush(servers)
-                lock, fenced, floor = uncontended(urls, args.iterations, args.warmup, args.block)
-                for s in (lock, fenced, floor):
+                samples = uncontended(urls, args.iterations, args.warmup, args.block, transports)
+                floor = samples[-1]
+                for s in samples:
                     unc_rows.append(
                         [
                             n,
@@ -393,15 +439,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{s.ops / floor.ops:.2f}x",
                         ]
                     )
-                print(
-                    f"  N={n} uncontended: redlock p50 {lock.p(0.5):.0f} us, floor p50 {floor.p(0.5):.0f} us",
-                    flush=True,
-                )
+                plain = ", ".join(f"{s.name} p50 {s.p(0.5):.0f} us" for s in samples[:-1:2])
+                print(f"  N={n} uncontended: {plain}, floor p50 {floor.p(0.5):.0f} us", flush=True)
             if not args.skip_contended:
                 flush(servers)
-                by_kind = contended(urls, args.processes, args.duration, args.slice, args.retry_delay)
-                runs = [by_kind["redlock"], by_kind["floor"]]
-                floor_run = runs[1]
+                by_kind = contended(
+                    urls, args.processes, args.duration, args.slice, args.retry_delay, transports
+                )
+                runs = list(by_kind.values())
+                floor_run = by_kind["floor"]
                 for run in runs:
                     ratio = run.per_second / floor_run.per_second if floor_run.holds else float("nan")
                     con_rows.append(
@@ -414,31 +460,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                             f"{ratio:.2f}x",
                         ]
                     )
-                print(
-                    f"  N={n} contended: redlock {runs[0].per_second:.0f}/s, "
-                    f"floor {floor_run.per_second:.0f}/s",
-                    flush=True,
-                )
+                held = ", ".join(f"{run.name} {run.per_second:.0f}/s" for run in runs)
+                print(f"  N={n} contended: {held}", flush=True)
         n = max(counts)
         if not args.skip_degraded and n >= 3:  # with one master stopped, a quorum must remain
             flush(servers)
-            up, down = degraded(servers.urls[:n], args.iterations, args.warmup, args.block)
-            for s in (up, down):
-                deg_rows.append(
-                    [
-                        n,
-                        s.name,
-                        f"{s.p(0.5):.0f}",
-                        f"{s.p(0.99):.0f}",
-                        f"{s.ops:.0f}",
-                        f"{s.p(0.5) / up.p(0.5):.2f}x",
-                    ]
+            for up, down in degraded(servers.urls[:n], args.iterations, args.warmup, args.block, transports):
+                for s in (up, down):
+                    deg_rows.append(
+                        [
+                            n,
+                            s.name,
+                            f"{s.p(0.5):.0f}",
+                            f"{s.p(0.99):.0f}",
+                            f"{s.ops:.0f}",
+                            f"{s.p(0.5) / up.p(0.5):.2f}x",
+                        ]
+                    )
+                print(
+                    f"  N={n} degraded: {down.name} p50 {down.p(0.5):.0f} us, {up.name} {up.p(0.5):.0f} us",
+                    flush=True,
                 )
-            print(
-                f"  N={n} degraded: redlock p50 {down.p(0.5):.0f} us with one master stopped, "
-                f"{up.p(0.5):.0f} us with all up",
-                flush=True,
-            )
 
     if unc_rows:
         print(

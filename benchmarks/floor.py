@@ -1,14 +1,16 @@
 """The floor both benchmarks measure against: Redlock's commands over raw sockets, nothing else.
 
 One blocking socket per master. A command is written to every socket, then every reply is read;
-a release is written and not waited for, and its reply is read in front of the next command's on
-that socket, which is what the library does too. There are no timeouts (a paused master would
-hang it), no votes, no error handling and no parser beyond counting lines: every reply a lock
-command gets (``+OK``, ``$-1``, ``:1``, ``:0``) is one line. It is a yardstick, not a lock.
+a release too is written to the masters that granted, and their replies read before it returns,
+which is what the library's release does (a release that returned before the masters applied it
+would let a contender that starts right after it find the lock held). There are no timeouts (a
+paused master would hang it), no votes, no error handling and no parser beyond counting lines:
+every reply a lock command gets (``+OK``, ``$-1``, ``:1``, ``:0``) is one line. It is a yardstick, not a lock.
 """
 
 from __future__ import annotations
 
+import hashlib
 import socket
 from collections.abc import Sequence
 from urllib.parse import urlparse
@@ -21,6 +23,8 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Sent by digest, as the library sends every script (loaded on each socket when it connects).
+RELEASE_SHA = hashlib.sha1(RELEASE_SOURCE.encode()).hexdigest()
 
 
 def pack(*args: object) -> bytes:
@@ -44,13 +48,21 @@ class RawMasters:
             self.socks.append(sock)
         self.owed = [0] * len(self.socks)
         self.quorum = len(self.socks) // 2 + 1
+        for sock in self.socks:  # its reply, the digest, is a bulk string: two lines
+            sock.sendall(pack("SCRIPT", "LOAD", RELEASE_SOURCE))
+            data = b""
+            while data.count(b"\r\n") < 2:
+                data += sock.recv(65536)
 
-    def call(self, packed: bytes) -> list[bytes]:
-        """Write ``packed`` to every master, then read each one's reply (its line, no CRLF)."""
-        for sock in self.socks:
-            sock.sendall(packed)
+    def call(self, packed: bytes, indexes: Sequence[int] | None = None) -> list[bytes]:
+        """Write ``packed`` to every master (or those at ``indexes``), then read each one's
+        reply (its line, no CRLF)."""
+        chosen = range(len(self.socks)) if indexes is None else indexes
+        for i in chosen:
+            self.socks[i].sendall(packed)
         replies = []
-        for i, sock in enumerate(self.socks):
+        for i in chosen:
+            sock = self.socks[i]
             lines = self.owed[i] + 1  # the owed releases' replies come first
             data = b""
             while data.count(b"\r\n") < lines:
@@ -59,19 +71,22 @@ class RawMasters:
             replies.append(data.split(b"\r\n")[-2])  # the last line is this command's reply
         return replies
 
-    def send(self, packed: bytes, indexes: Sequence[int]) -> None:
-        """Write ``packed`` to the masters at ``indexes``; their replies are read later."""
-        for i in indexes:
-            self.socks[i].sendall(packed)
-            self.owed[i] += 1
-
     def set_nx(self, key: str, token: str, ttl_ms: int) -> list[int]:
         """SET NX PX on every master; the indexes of those that granted it."""
         replies = self.call(pack("SET", key, token, "NX", "PX", ttl_ms))
         return [i for i, reply in enumerate(replies) if reply == b"+OK"]
 
+    def retract(self, key: str, token: str, indexes: Sequence[int]) -> None:
+        """The compare-and-delete on the masters at ``indexes``, not waited for: each socket
+        reads its reply in front of its next command's (a failed attempt's retraction)."""
+        packed = pack("EVALSHA", RELEASE_SHA, 1, key, token)
+        for i in indexes:
+            self.socks[i].sendall(packed)
+            self.owed[i] += 1
+
     def release(self, key: str, token: str, indexes: Sequence[int]) -> None:
-        self.send(pack("EVAL", RELEASE_SOURCE, 1, key, token), indexes)
+        """The compare-and-delete on the masters at ``indexes``, replies read."""
+        self.call(pack("EVALSHA", RELEASE_SHA, 1, key, token), indexes)
 
     def close(self) -> None:
         for sock in self.socks:

@@ -37,29 +37,40 @@ def number(
     """
     # type() first: the usual value is a plain float, which needs none of the isinstance checks.
     if type(value) is not float and (isinstance(value, bool) or not isinstance(value, (int, float))):
-        of_unit = f" of {unit}" if unit else ""
-        raise ConfigError(f"{name} must be a number{of_unit}, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name} must be a number{_of_unit(unit)}, got {type(value).__name__} {value!r}")
     try:
         result = float(value)
     except OverflowError:  # an int too large for a float is as unusable as infinity
         result = math.inf
     if not math.isfinite(result):
-        of_unit = f" of {unit}" if unit else ""
-        raise ConfigError(f"{name} must be a finite number{of_unit}, got {value!r}")
-    # Written as "not (within)", so each test reads as the bound it keeps.
-    if above is not None and not result > above:
-        bound = f"> {above}"
-    elif at_least is not None and not result >= at_least:
-        bound = f">= {at_least}"
-    elif below is not None and not result < below:
-        bound = f"< {below}"
-    elif at_most is not None and not result <= at_most:
-        bound = f"at most {at_most}"
-    else:
+        raise ConfigError(f"{name} must be a finite number{_of_unit(unit)}, got {value!r}")
+    bound = _bound_missed(result, above, at_least, below, at_most)
+    if bound is None:
         return result
     raise ConfigError(
         f"{name} must be {bound}{f' {unit}' if unit else ''}{f' ({why})' if why else ''}, got {value!r}"
     )
+
+
+def _of_unit(unit: str) -> str:
+    """The unit as a type error words it: "a number of seconds"."""
+    return f" of {unit}" if unit else ""
+
+
+def _bound_missed(
+    result: float, above: float | None, at_least: float | None, below: float | None, at_most: float | None
+) -> str | None:
+    """The first bound ``result`` misses, as the message words it; None when it keeps them all."""
+    # Written as "not (within)", so each test reads as the bound it keeps.
+    if above is not None and not result > above:
+        return f"> {above}"
+    if at_least is not None and not result >= at_least:
+        return f">= {at_least}"
+    if below is not None and not result < below:
+        return f"< {below}"
+    if at_most is not None and not result <= at_most:
+        return f"at most {at_most}"
+    return None
 
 
 def count(name: str, value: object) -> int:

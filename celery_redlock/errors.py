@@ -110,6 +110,20 @@ class LockNotAcquired(RedlockError):
         """True when the masters that refused did so because another token holds the key."""
         return any(v.kind == "held" for v in self.votes)
 
+    @property
+    def contended(self) -> bool:
+        """True when the masters holding another token deny the quorum on their own: the lock is
+        held elsewhere, whatever the masters that did not answer would have said. False means
+        the quorum was missed because masters failed or did not answer: unavailability, which
+        must never be taken for a duplicate (see :attr:`unavailable_masters`)."""
+        held = sum(1 for v in self.votes if v.kind == "held")
+        return held > len(self.votes) - self.quorum
+
+    @property
+    def unavailable_masters(self) -> list[str]:
+        """The masters that failed or did not answer in the last attempt."""
+        return [str(v) for v in self.votes if v.kind in ("error", "timeout")]
+
 
 class NotLocked(RedlockError):
     """``self.redlock`` was read outside a locked run, e.g. in a direct call ``charge(42)``, which

@@ -140,7 +140,7 @@ def test_the_lock_core_loads_no_celery() -> None:
     )
     loaded = _fresh(
         "import sys, celery_redlock, celery_redlock.errors, celery_redlock.lock.redlock, "
-        "celery_redlock.lock.heartbeat, celery_redlock.lock.linger; "
+        "celery_redlock.lock.heartbeat, celery_redlock.lock.resource, celery_redlock.lock.masters; "
         "from celery_redlock import Lock, LockNotAcquired, process_heartbeat; "
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({sorted(NOT_IN_CORE)!r})))"
     )

@@ -24,7 +24,8 @@ from ..errors import ConfigError
 from ..lock import admin
 from ..lock.redlock import Redlock
 from ..lock.resource import lock_key
-from .beat import BeatSettings, leader_redlock, read_leader
+from .beatconf import BeatSettings
+from .leader import leader_redlock, read_leader
 from .settings import read_settings
 
 
@@ -77,7 +78,7 @@ def _app_redlock(ctx: click.Context) -> Iterator[Redlock]:
     """A Redlock over the app's masters for this command, closed after it."""
     app: Any = ctx.obj.app
     try:
-        locks = read_settings(app.conf).redlock(linger=False)
+        locks = read_settings(app.conf).redlock()
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
@@ -91,7 +92,8 @@ def _seconds(value: float | None) -> str:
 
 
 def _holder(view: admin.LockView) -> str:
-    return "-" if view.holder is None else view.holder.describe(view.read_at)
+    """Who holds it; a queued message's marker says ``queued:`` and names its task id."""
+    return "-" if view.token is None else view.describe_holder()
 
 
 @redlock.command(name="ls")
@@ -107,7 +109,9 @@ def ls(ctx: click.Context, pattern: str, limit: int, partial: bool, as_json: boo
     """List the locks held on a quorum whose resource matches PATTERN (a glob; default all).
 
     Found with SCAN (never KEYS), at most --limit keys. One line each: resource, holder, age,
-    TTL left on a quorum, how many masters hold its token.
+    TTL left on a quorum, how many masters hold its token. A queued message's marker reads
+    "queued: task <name> <id>" (a marker waiting beside another holder is listed under
+    <resource>~enqueued:<task>).
     """
     with _app_redlock(ctx) as locks:
         listing = admin.list_locks(locks, pattern, limit=limit, partial=partial, timeout=timeout)
@@ -146,6 +150,16 @@ def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
         click.echo("  ".join(cells).rstrip())
 
 
+def _heartbeat(view: admin.LockView) -> str:
+    """How often its record says its holder extends it (what ``release`` watches for)."""
+    holder = view.holder
+    if view.marker:
+        return ""
+    if holder is None or holder.heartbeat is None:
+        return "; no heartbeat interval recorded"
+    return f"; extended every {holder.heartbeat:g} s (recorded)"
+
+
 def _print_view(view: admin.LockView) -> None:
     rows = []
     for m in view.masters:
@@ -160,7 +174,7 @@ def _print_view(view: admin.LockView) -> None:
     if view.held:
         click.echo(
             f"{view.key}: held on a quorum ({view.agree} of {len(view.masters)} masters, quorum "
-            f"{view.quorum}) by {_holder(view)}; {_seconds(view.ttl_left)} left"
+            f"{view.quorum}) by {_holder(view)}; {_seconds(view.ttl_left)} left{_heartbeat(view)}"
         )
     else:
         click.echo(
@@ -194,23 +208,27 @@ def show(ctx: click.Context, resource: str, as_json: bool, timeout: float) -> No
 @click.option(
     "--force",
     is_flag=True,
-    help="Release even if the holder still extends the lock (or cannot be told dead), or no quorum holds it.",
+    help="Release whatever holds it: a holder not shown dead, or a token on fewer masters than a quorum.",
 )
 @click.option(
     "--watch",
     type=click.FloatRange(min=0),
     default=admin.DEFAULT_WATCH,
     show_default=True,
-    help="Seconds to watch at most for the holder extending the lock.",
+    help="Seconds to watch at most for the holder to be shown dead; the watch ends at the first answer.",
 )
 @_TIMEOUT
 @click.pass_context
 def release(ctx: click.Context, resource: str, yes: bool, force: bool, watch: float, timeout: float) -> None:
-    """Force-release the lock on RESOURCE: delete on every master exactly the token shown
+    """Release the lock on RESOURCE: delete on every master exactly the token shown
     (compare-and-delete), and log who did it.
 
-    Refused while its holder is alive: when it extended the lock while watched, or could not be
-    told dead within --watch (see docs/operations.md); --force skips that check.
+    Without --force, only a holder shown dead is released: its process gone (its record names
+    this host and a pid that no longer runs), or no extension seen on a quorum for longer than
+    its recorded heartbeat interval plus a margin while watched; or a lock whose validity has
+    run out anyway. Everything else is refused: a holder seen extending it, a queued message's
+    marker, a holder with no heartbeat interval recorded and validity left, or one that cannot
+    be shown dead within --watch. See docs/operations.md.
     """
     with _app_redlock(ctx) as locks:
         view = admin.show(locks, resource, timeout=timeout)
@@ -218,27 +236,41 @@ def release(ctx: click.Context, resource: str, yes: bool, force: bool, watch: fl
         if view.token is None:
             click.echo(f"nothing to release: no master holds a lock on {resource!r}")
             ctx.exit(0)
-        if not view.held and not force:
-            raise click.ClickException(
-                "not held on a quorum (it will expire by itself); --force removes what is left"
-            )
+        if not yes:
+            # Asked before the watch, so that the release follows the answer at once.
+            when = "" if force else " if its holder is shown dead"
+            click.confirm(f"release {view.key} (token {view.token[:12]}...){when}?", abort=True)
         if not force:
-            if watch:
-                click.echo(f"watching whether its holder extends it (at most {watch:g} s)...")
+            if not view.marker:
+                click.echo(f"watching whether its holder is shown dead (at most {watch:g} s)...")
             alive = admin.liveness(locks, view, watch=watch, timeout=timeout)
             click.echo(f"holder is {alive.state}: {alive.reason}")
-            if alive.state == "released":
-                ctx.exit(0)
             if not alive.releasable:
                 raise click.ClickException(
                     f"refused: its holder is {alive.state}; use --force to release anyway"
                 )
-        if not yes:
-            click.confirm(f"release {view.key} (token {view.token[:12]}...)?", abort=True)
         done = admin.force_release(locks, view, by=f"{admin.operator_identity()} (celery redlock release)")
     click.echo(
         f"released {view.key} (token {done.token[:12]}...) on {done.deleted} of {done.masters} "
         f"masters, by {done.by}"
+    )
+
+
+def _health_row(m: admin.MasterHealth) -> tuple[str, ...]:
+    """One master's line of the ``health`` table; "-" where the check could not tell."""
+    persistence = "-"
+    if m.appendonly is not None:
+        persistence = f"aof {m.appendfsync or '?'}" if m.appendonly else "none"
+    return (
+        m.master,
+        "up" if m.reachable else "DOWN",
+        "-" if m.rtt is None else f"{m.rtt * 1000:.2f} ms",
+        "-" if m.version is None else f"{m.server} {m.version}",
+        m.role or "-",
+        persistence,
+        m.maxmemory_policy or "-",
+        "-" if m.clock_offset is None else f"{m.clock_offset * 1000:+.1f} ms",
+        "-" if m.commands_run is None else ("yes" if m.commands_run else "NO"),
     )
 
 
@@ -258,24 +290,7 @@ def health(ctx: click.Context, as_json: bool, timeout: float) -> None:
     if as_json:
         click.echo(json.dumps(report.as_dict()))
         ctx.exit(report.exit_code)
-    rows = []
-    for m in report.masters:
-        persistence = "-"
-        if m.appendonly is not None:
-            persistence = f"aof {m.appendfsync or '?'}" if m.appendonly else "none"
-        rows.append(
-            (
-                m.master,
-                "up" if m.reachable else "DOWN",
-                "-" if m.rtt is None else f"{m.rtt * 1000:.2f} ms",
-                "-" if m.version is None else f"{m.server} {m.version}",
-                m.role or "-",
-                persistence,
-                m.maxmemory_policy or "-",
-                "-" if m.clock_offset is None else f"{m.clock_offset * 1000:+.1f} ms",
-                "-" if m.commands_run is None else ("yes" if m.commands_run else "NO"),
-            )
-        )
+    rows = [_health_row(m) for m in report.masters]
     _table(("MASTER", "STATE", "RTT", "VERSION", "ROLE", "PERSIST", "EVICTION", "CLOCK", "SCRIPTS"), rows)
     for m in report.masters:
         for finding in m.findings:

@@ -28,10 +28,30 @@ and when the run ends its lock is swapped for that marker instead of released (R
 retried message stays the one queued for the key. The lock retries of ``lock_contended`` carry
 the marker header on as it is.
 
+**A marker belongs to its task.** A publish is a duplicate only of a queued message or a run of
+*its own task* for the resource. Tasks that share a ``lock_key`` share the lock (their runs
+exclude each other), not their deduplication: a publish that finds another task's marker or run
+on the key (or any other holder) is published, with its marker set *beside* the key, on a key of
+its own task's (``<lock key>~enqueued:<task name>``, see :func:`.markers.side_key`). That marker
+answers the task's next publishes; its run waits for the lock key as any contender does (by
+``lock_contended``) and takes it over with the same HANDOVER, which deletes the side marker in
+the same step (an attempt that no quorum granted puts it back, see ``markers.HandoverLock``).
+A run that gives up instead (skipped, failed, out of lock retries) deletes its message's marker
+(:func:`drop_abandoned_marker`).
+
+**A marker lasts as long as its message can arrive.** It is placed for ``PUBLISH_WINDOW``
+seconds (at most its full TTL): the time the publish has to reach the broker. Once the broker
+has accepted the message, one more round extends it to ``lock_enqueue_ttl`` (plus any countdown
+or ETA). A publisher killed in between (or a publish that never returns) leaves a marker that
+expires within the window, not an hour of publishes answered with a task id no message carries.
+A publish slower than the window finds its marker gone: it is logged, and its message is queued
+unmarked (its run takes the key free; a duplicate published meanwhile is not refused).
+
 **What frees the key.** The end of the run (its lock's release); a revoke of the queued message
 (the worker that discards it deletes the marker by its value); a message that expires likewise;
 a lost message (purged, a broker that lost it) by the marker's TTL; a dead worker by the run
-lock's TTL. A publish that fails (broker down) deletes the marker it took.
+lock's TTL. A publish that fails (broker down) deletes the marker it took; a publisher that dies
+before its publish, by the publish window.
 
 **Where it does not apply.** Eager calls (``task_always_eager``, ``apply()``) take no marker and
 publish nothing: the run's own lock is taken as always. ``app.send_task(name)`` does not go
@@ -49,15 +69,13 @@ publish fail with :class:`LockNotAcquired`: nothing is published unmarked.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import json
 import logging
 import random
+import secrets
 import socket
-import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery.utils import uuid
 
@@ -65,34 +83,51 @@ from .._fork import pid
 from .._validate import number
 from ..errors import AlreadyQueued, ConfigError, LockNotAcquired
 from ..lock import markers
-from ..lock.holder import Holder
-from ..lock.markers import HandoverLock
+from ..lock.holder import HolderRecord, parse
+from ..lock.markers import HandoverLock, side_key
 from ..lock.redlock import Redlock
 from ..lock.resource import HOLDER_SEPARATOR, Lock, lock_key
-from . import signals
+from . import hooks, signals
 from .held import Held
+from .hooks import PUBLISH_ID_HEADER
+from .queued import MARKER_HEADER as MARKER_HEADER
+from .queued import carried_fingerprint, marker_of, masters_fingerprint
+from .queued import drop_abandoned_marker as drop_abandoned_marker
+from .queued import release_revoked_marker as release_revoked_marker
+from .runstate import run_of
 from .settings import RedlockSettings, app_settings_and_redlock, enqueue_mode
 
 logger = logging.getLogger("celery_redlock.enqueue")
 
-#: The message header that carries the marker: ``{"name": resource name, "value": marker value}``.
-MARKER_HEADER = "redlock_marker"
 # Options that make a call part of a canvas: a caller already holds its pre-assigned result id.
 CANVAS_OPTIONS = ("chain", "link", "link_error", "chord", "group_id", "parent_id", "root_id")
-# Set on a run's request when it re-published itself: (marker value, ttl) its lock becomes.
-_REQUEUE_ATTR = "_redlock_requeue"
-_HELD_ATTR = "_redlock_held"  # see task.py: the Held of the current run
 # A publish whose marker no quorum granted and whose holder no quorum agrees on (two publishers
 # splitting the vote, a master down) tries again after a short random delay, this many times.
 PLACE_ATTEMPTS = 8
 PLACE_RETRY_DELAY = 0.02
 # How long a publish waits for the key of a run whose result is already stored (see _after_finish).
 FINISHING_WAIT = 1.0
-_HOST = json.dumps(socket.gethostname())
+# How long a marker lasts until the broker has its message (then: lock_enqueue_ttl). Long enough
+# for a publish, with its connect, to reach a broker; short enough that the marker of a publisher
+# that died before its publish refuses the key for seconds, not for lock_enqueue_ttl.
+PUBLISH_WINDOW = 5.0
+_HOST = socket.gethostname()
+
+
+class Existing(NamedTuple):
+    """A publish's key taken by its own task: the id the marker or run names (None when its
+    record names none), whether it is a queued message's marker, and its value."""
+
+    task_id: str | None
+    queued: bool
+    value: str
 
 
 def check_task_options(cls: Any, task_name: str) -> None:
-    """Definition-time checks of ``lock_enqueue`` / ``lock_enqueue_ttl`` (see task.py)."""
+    """Definition-time checks of ``lock_enqueue`` / ``lock_enqueue_ttl`` (see task.py); and the
+    hook that deletes the marker of a run that gave up, connected once a locked task exists (an
+    app-wide ``redlock_enqueue`` may mark any of them)."""
+    hooks.connect((signals.lock_contended, drop_abandoned_marker))
     mode = enqueue_mode(f"task {task_name!r}: lock_enqueue", cls.lock_enqueue)
     if cls.lock_enqueue_ttl is not None:
         number(f"task {task_name!r}: lock_enqueue_ttl", cls.lock_enqueue_ttl, above=0, unit="seconds")
@@ -175,14 +210,10 @@ def apply_async(
     name = task.lock_name(tuple(args or ()), kwargs or {})
     task_id = task_id or uuid()
     ttl = marker_ttl(task, settings, options)
-    value = markers.new_value(_holder(task, task_id, ttl))
-    placed = _place(redlock, name, value, ttl)
-    # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
-    # rate limit): then the key stays taken, and the duplicate is one at once.
-    if isinstance(placed, str) and task.lock_release != "on_expiry" and _finished(task, placed):
-        placed = _after_finish(task, redlock, name, value, ttl, placed)
-    if isinstance(placed, str) or placed is None:
-        existing = placed
+    headers, value = _new_marker(task, task_id, ttl, options)
+    placed = _place_past_finished_run(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
+    if isinstance(placed, Existing):
+        existing = placed.task_id
         if any(options.get(option) is not None for option in CANVAS_OPTIONS):
             logger.info(
                 "task %s[%s]: %s is queued or running as %s, but this call is a canvas member; "
@@ -194,36 +225,106 @@ def apply_async(
             )
             return publish(args, kwargs, task_id=task_id, **options)
         return _duplicate(task, mode, name, task_id, existing)
-    headers = dict(options.get("headers") or {})
     headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
+    result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
+    _keep(task, redlock, placed, ttl)
+    return result
+
+
+def _new_marker(
+    task: Any, task_id: str, ttl: float, options: Mapping[str, Any]
+) -> tuple[dict[str, Any], str]:
+    """The headers of the message to publish (a copy of the call's) and the value of its marker,
+    whose holder record carries the message's publish id (hooks.stamp_publish_time keeps one
+    that is set)."""
+    headers = dict(options.get("headers") or {})
+    publish_id = headers.setdefault(PUBLISH_ID_HEADER, secrets.token_hex(8))
+    return headers, markers.new_value(_holder(task, task_id, ttl, publish_id))
+
+
+def _place_past_finished_run(
+    task: Any, redlock: Redlock, name: str, value: str, ttl: float
+) -> markers.Placed | Existing:
+    """:func:`_place`, except that a run of this task whose result is already stored is not a
+    duplicate while its lock is on its way out (see :func:`_after_finish`)."""
+    placed = _place(task, redlock, name, value, ttl)
+    # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
+    # rate limit): then the key stays taken, and the duplicate is one at once.
+    if (
+        isinstance(placed, Existing)
+        and not placed.queued
+        and placed.task_id is not None
+        and task.lock_release != "on_expiry"
+        and _finished(task, placed.task_id)
+    ):
+        return _after_finish(task, redlock, name, value, ttl, placed)
+    return placed
+
+
+def _publish_marked(
+    publish: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    options: dict[str, Any],
+    redlock: Redlock,
+    name: str,
+    placed: markers.Placed,
+) -> Any:
+    """Celery's publish of a message whose marker is ``placed``; the marker deleted if it fails."""
     try:
         return publish(args, kwargs, task_id=task_id, **options)
     except BaseException:
         # Not published (or not known to be): a marker no message carries would only block the
         # key for its TTL.
-        markers.drop(redlock, name, value)
+        assert placed.value is not None
+        side = None if placed.key == lock_key(redlock.key_prefix, name) else placed.key
+        markers.drop(redlock, name, placed.value, side)
         raise
 
 
-def _place(redlock: Redlock, name: str, value: str, ttl: float) -> markers.Placed | str | None:
-    """The placed marker; or, when the key is taken, the task id its holder names (None when the
-    holder records none). Raises :class:`LockNotAcquired` when neither is known after
-    ``PLACE_ATTEMPTS`` tries."""
-    placed = markers.place(redlock, name, value, ttl)
+def _keep(task: Any, redlock: Redlock, placed: markers.Placed, ttl: float) -> None:
+    """The broker has the message: its marker, placed for the publish window, is kept for its
+    full ``ttl`` (one round, skipped when the window was the whole TTL). Its replies are read,
+    so that a marker that was gone (a publish slower than the window) is said to be."""
+    assert placed.value is not None and placed.key is not None
+    if ttl <= PUBLISH_WINDOW or markers.keep(redlock, placed.key, placed.value, ttl):
+        return
+    logger.warning(
+        "task %s: the marker on %s was gone when its publish returned (a publish slower than %g s, "
+        "or masters not answering): the message is queued unmarked, and a duplicate publish of "
+        "it is not refused",
+        task.name,
+        placed.key,
+        PUBLISH_WINDOW,
+    )
+
+
+def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> markers.Placed | Existing:
+    """The placed marker: on the lock key of ``name`` when it is free, else beside it, on the
+    task's own side key, when another holds it. Or what holds it for this very task: its queued
+    message's marker or its run. Raises :class:`LockNotAcquired` when neither is known after
+    ``PLACE_ATTEMPTS`` tries (the masters split between publishers, or not answering)."""
+    side = side_key(redlock.key_prefix, name, task.name)
     for attempt in range(1, PLACE_ATTEMPTS + 1):
+        placed = markers.place(redlock, name, side, value, ttl)
+        if placed.value is None and placed.beside is None and placed.holder is not None:
+            record = parse(placed.holder.partition(HOLDER_SEPARATOR)[2])
+            if record is not None and record.name == task.name:
+                return Existing(record.task, record.queued, placed.holder)
+            # Another task's, or any other holder's: this task's marker waits beside the key
+            # while that value is still there (else the next attempt starts over).
+            placed = markers.place_beside(redlock, name, side, value, ttl, placed.holder)
         if placed.value is not None:
             return placed
-        if any(v.kind == "held" for v in placed.votes):
-            text = redlock.holder(name)
-            if text is not None:
-                return Holder.parse(text).task
-        if attempt == PLACE_ATTEMPTS:
-            break
-        # Split between two publishers (each retracted its part), or freed meanwhile, or a master
-        # that did not answer: a short, growing random delay, then one more try.
-        time.sleep(random.uniform(0, PLACE_RETRY_DELAY * attempt))
-        placed = markers.place(redlock, name, value, ttl)
+        if placed.beside is not None:
+            record = parse(placed.beside.partition(HOLDER_SEPARATOR)[2])
+            return Existing(None if record is None else record.task, True, placed.beside)
+        if attempt < PLACE_ATTEMPTS:
+            # Split between two publishers (each retracted its part), freed or taken meanwhile,
+            # or a master that did not answer: a short, growing random delay, then one more try.
+            time.sleep(random.uniform(0, PLACE_RETRY_DELAY * attempt))
     raise LockNotAcquired(
         name, placed.votes, attempts=PLACE_ATTEMPTS, elapsed=placed.elapsed, quorum=redlock.quorum
     )
@@ -240,8 +341,8 @@ def _finished(task: Any, task_id: str) -> bool:
 
 
 def _after_finish(
-    task: Any, redlock: Redlock, name: str, value: str, ttl: float, existing: str
-) -> markers.Placed | str | None:
+    task: Any, redlock: Redlock, name: str, value: str, ttl: float, existing: Existing
+) -> markers.Placed | Existing:
     """The key is still held by a run whose result is stored: it is being released, within
     milliseconds (or its holder died in between and it expires). Try again until it is free, for
     up to ``FINISHING_WAIT`` seconds; a caller that waited for the result and publishes again at
@@ -251,8 +352,8 @@ def _after_finish(
     while time.monotonic() < deadline:
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-        placed = _place(redlock, name, value, ttl)
-        if not isinstance(placed, str) or placed != existing:
+        placed = _place(task, redlock, name, value, ttl)
+        if not isinstance(placed, Existing) or placed.value != existing.value:
             return placed
     return existing
 
@@ -289,50 +390,45 @@ def _republish(
     when the run ends (:func:`hand_back`). A run that holds nothing (a lock retry) sends the
     message with the headers it was given, its marker header among them.
     """
-    request = task.request
-    held: Held | None = getattr(request, _HELD_ATTR, None)
-    if held is None or held.finished or not held.lock.owned():
+    run = run_of(task.request)
+    held = None if run is None else run.held
+    if run is None or held is None or held.finished or not held.lock.owned():
         return publish(args, kwargs, task_id=task_id, **options)
     settings, redlock = app_settings_and_redlock(task.app)
     ttl = marker_ttl(task, settings, options)
-    value = markers.new_value(_holder(task, task_id, ttl))
+    headers, value = _new_marker(task, task_id, ttl, options)
     name = task.lock_name(tuple(args or ()), kwargs or {})
-    headers = dict(options.get("headers") or {})
     headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
-    if name != held.lock.name:
-        # Retried with arguments of another resource: that key gets a marker of its own, and
-        # this run's lock is released as usual when it ends (nothing to swap it for).
-        placed = _place(redlock, name, value, ttl)
-        if isinstance(placed, str) or placed is None:
-            logger.warning(
-                "task %s[%s]: retried for %s, which is queued or running as %s; published without "
-                "a marker (its run is locked as usual)",
-                task.name,
-                task_id,
-                name,
-                placed,
-            )
-            del headers[MARKER_HEADER]
-        options["headers"] = headers
-        try:
-            return publish(args, kwargs, task_id=task_id, **options)
-        except BaseException:
-            if not (isinstance(placed, str) or placed is None):
-                markers.drop(redlock, name, value)
-            raise
     options["headers"] = headers
-    result = publish(args, kwargs, task_id=task_id, **options)
-    setattr(request, _REQUEUE_ATTR, (value, ttl))
+    if name == held.lock.name:
+        result = publish(args, kwargs, task_id=task_id, **options)
+        run.requeued(value, ttl)
+        return result
+    # Retried with arguments of another resource: that key gets a marker of its own, and this
+    # run's lock is released as usual when it ends (nothing to swap it for).
+    placed = _place(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
+    if isinstance(placed, Existing):
+        logger.warning(
+            "task %s[%s]: retried for %s, which is queued or running as %s; published without "
+            "a marker (its run is locked as usual)",
+            task.name,
+            task_id,
+            name,
+            placed.task_id,
+        )
+        del headers[MARKER_HEADER]
+        return publish(args, kwargs, task_id=task_id, **options)
+    result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
+    _keep(task, redlock, placed, ttl)
     return result
 
 
-def hand_back(request: Any, held: Held) -> bool:
-    """At the end of a run that re-published itself: swap its lock for the new message's marker
-    instead of releasing it. True if the lock was dealt with here (released or swapped)."""
-    pending = getattr(request, _REQUEUE_ATTR, None)
+def hand_back(held: Held, pending: tuple[str, float] | None) -> bool:
+    """At the end of a run that re-published itself (``pending``: the new message's marker value
+    and ttl, see RunState.requeued): swap its lock for that marker instead of releasing it.
+    True if the lock was dealt with here (released or swapped)."""
     if pending is None:
         return False
-    setattr(request, _REQUEUE_ATTR, None)
     value, ttl = pending
     lock = held.lock
     token = lock.token
@@ -348,7 +444,7 @@ def hand_back(request: Any, held: Held) -> bool:
         )
     # Forgets the token; on the masters the compare finds the marker (or nothing) and deletes
     # nothing of it.
-    lock.release(linger=False)
+    lock.release()
     logger.debug("task %s: lock %s handed to its re-published message", held.task_id, lock.name)
     return True
 
@@ -357,7 +453,7 @@ def run_lock(redlock: Redlock, request: Any, name: str, ttl: float, holder: str)
     """The lock a run takes: over from its message's marker if it carries one for ``name``."""
     carried = marker_of(request)
     if carried is not None and carried[0] == name:
-        fingerprint = _carried_fingerprint(request)
+        fingerprint = carried_fingerprint(request)
         if fingerprint is not None and fingerprint != masters_fingerprint(redlock):
             # A publisher on other masters (a deploy that moved them, a process on the old list):
             # its marker is out of reach here and blocks that key there until its TTL.
@@ -370,43 +466,10 @@ def run_lock(redlock: Redlock, request: Any, name: str, ttl: float, holder: str)
                 masters_fingerprint(redlock),
             )
             return redlock.lock(name, ttl, holder=holder)
-        return HandoverLock(redlock, name, ttl, holder=holder, marker=carried[1])
+        owner = getattr(request, "task", None)  # the task's name, in a worker's request
+        side = side_key(redlock.key_prefix, name, owner) if isinstance(owner, str) else None
+        return HandoverLock(redlock, name, ttl, holder=holder, marker=carried[1], side=side)
     return redlock.lock(name, ttl, holder=holder)
-
-
-def masters_fingerprint(redlock: Redlock) -> str:
-    """A short digest of the masters a marker was taken on (their names, in order of name)."""
-    names = "\n".join(sorted(master.name for master in redlock.masters))
-    return hashlib.sha256(names.encode()).hexdigest()[:12]
-
-
-def _carried_fingerprint(request: Any) -> str | None:
-    raw = _header(request)
-    value = raw.get("masters") if isinstance(raw, Mapping) else None
-    return value if isinstance(value, str) else None
-
-
-def marker_of(request: Any) -> tuple[str, str] | None:
-    """(resource name, marker value) from a request's ``redlock_marker`` header, if any."""
-    raw = _header(request)
-    if isinstance(raw, Mapping):
-        name, value = raw.get("name"), raw.get("value")
-        if isinstance(name, str) and isinstance(value, str):
-            return name, value
-    return None
-
-
-def _header(request: Any) -> Any:
-    raw = getattr(request, MARKER_HEADER, None)
-    if raw is None:
-        headers = getattr(request, "headers", None)
-        if isinstance(headers, Mapping):
-            raw = headers.get(MARKER_HEADER)
-    if raw is None:
-        request_dict = getattr(request, "request_dict", None)  # a worker Request, not a Context
-        if isinstance(request_dict, Mapping):
-            raw = request_dict.get(MARKER_HEADER)
-    return raw
 
 
 def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any]) -> float:
@@ -431,83 +494,51 @@ def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any])
     return float(base) + max(0.0, delay)
 
 
-def _holder(task: Any, task_id: str, ttl: float) -> str:
-    """The marker's holder record: the run's fields (see task.py), ``since`` the publish, and
-    ``"queued": true``, which tells an operator the task has not started."""
-    return (
-        f'{{"task":{json.dumps(task_id)},"name":{json.dumps(task.name)},"host":{_HOST},"pid":{pid()},'
-        f'"since":{time.time():.3f},"ttl":{ttl:g},"queued":true}}'
-    )
+def _holder(task: Any, task_id: str, ttl: float, publish: str) -> str:
+    """The marker's holder record: the run's fields (see task.py), ``since`` the publish, its
+    ``publish`` id, and ``queued``, which tells an operator the task has not started. The
+    fields every marker of the task shares are written once per task (and TTL, and process)."""
+    cls = type(task)
+    record = cls.__dict__.get("_redlock_marker_record")
+    me = pid()
+    if record is None or record.name != task.name or record.ttl != ttl or record.pid != me:
+        record = HolderRecord(name=task.name, host=_HOST, pid=me, ttl=ttl, queued=True)
+        setattr(cls, "_redlock_marker_record", record)  # noqa: B010 - on the class, not the instance
+    return record.to_text(task=task_id, since=time.time(), publish=publish)
+
+
+def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Existing | None:
+    """The queued message or the run of this task that holds its key for these arguments: one
+    round, both keys read (the lock key, and the task's side key)."""
+    _, redlock = app_settings_and_redlock(task.app)
+    name = task.lock_name(args, kwargs)
+    keys = [lock_key(redlock.key_prefix, name), side_key(redlock.key_prefix, name, task.name)]
+    with redlock._round() as rnd:
+        replies = rnd.call_many(
+            [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
+        )
+    for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
+        counts: dict[bytes, int] = {}
+        for mine in replies:
+            if mine[j].kind == "ok" and isinstance(mine[j].value, bytes):
+                counts[mine[j].value] = counts.get(mine[j].value, 0) + 1
+        for found, count in counts.items():
+            text = found.decode("utf-8", "replace")
+            record = parse(text.partition(HOLDER_SEPARATOR)[2])
+            if count >= redlock.quorum and record is not None and record.name == task.name:
+                return Existing(record.task, record.queued, text)
+    return None
 
 
 def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
-    """The id of the task queued or running for these arguments' resource, or None (free, or
-    held by something that records no task id). One round to the masters; nothing published."""
-    _, redlock = app_settings_and_redlock(task.app)
-    text = redlock.holder(task.lock_name(args, kwargs))
-    return None if text is None else Holder.parse(text).task
+    """The id of this task's message queued, or its run running, for these arguments' resource;
+    None when neither (another task's or holder's lock is no answer). One round; nothing
+    published."""
+    found = _own_holder(task, args, kwargs)
+    return None if found is None else found.task_id
 
 
 def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a publish with these arguments would find its resource taken (a task queued or
-    running for it, or any other holder). One round; nothing published."""
-    _, redlock = app_settings_and_redlock(task.app)
-    return redlock.holder(task.lock_name(args, kwargs)) is not None
-
-
-def release_revoked_marker(sender: Any = None, request: Any = None, **_: Any) -> None:
-    """``task_revoked``: a queued message revoked (or expired) before its run will never take its
-    key over; delete its marker, by value, so the key is free at once. A run that already took
-    the key over left no marker to delete (the compare finds its token), and is released by its
-    own exit path."""
-    carried = marker_of(request)
-    if carried is None:
-        return
-    app = getattr(sender, "app", None)
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    task_id = getattr(request, "id", None)
-    try:
-        redlock = app_settings_and_redlock(app)[1]
-        markers.drop(redlock, carried[0], carried[1])
-        if isinstance(task_id, str) and _run_holds(redlock, carried[0], task_id):
-            # A retry copy discarded while the run that published it still holds the key: that
-            # run swaps its lock for this very marker when it ends (REQUEUE), after this drop.
-            # Drop it again once it is there (bounded by the marker's own TTL).
-            threading.Thread(
-                target=_drop_when_handed_back,
-                args=(redlock, carried[0], carried[1], task_id),
-                name="redlock-revoked-marker",
-                daemon=True,
-            ).start()
-    except Exception:  # a signal handler's failure is logged by nobody else
-        logger.exception("deleting the marker of revoked task %s failed", task_id or "?")
-        return
-    logger.info("task %s revoked: its marker on %s deleted", task_id or "?", carried[0])
-
-
-def _run_holds(redlock: Redlock, name: str, task_id: str) -> bool:
-    """Whether a run of ``task_id`` (not a marker) holds ``name`` on any master."""
-    for value in redlock.read_everywhere(lock_key(redlock.key_prefix, name)):
-        if value is not None:
-            holder = Holder.parse(value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)[2])
-            if holder.task == task_id and "queued" not in holder.text:
-                return True
-    return False
-
-
-def _drop_when_handed_back(redlock: Redlock, name: str, value: str, task_id: str) -> None:
-    """Poll until the run of ``task_id`` let go of ``name``; delete the marker ``value`` if it
-    was handed to it. Gives up with the marker's TTL, when it would be gone anyway."""
-    holder = Holder.parse(value.partition(HOLDER_SEPARATOR)[2])
-    deadline = time.monotonic() + (holder.ttl if holder.ttl is not None else 3600.0)
-    wanted = value.encode()
-    while time.monotonic() < deadline:
-        values = redlock.read_everywhere(lock_key(redlock.key_prefix, name))
-        if wanted in values:
-            markers.drop(redlock, name, value)
-        elif not _run_holds(redlock, name, task_id):
-            return
-        time.sleep(0.25)
+    """Whether a publish of this task with these arguments would be deduplicated: a message of
+    it queued, or a run of it running, for their resource. One round; nothing published."""
+    return _own_holder(task, args, kwargs) is not None

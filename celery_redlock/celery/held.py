@@ -29,8 +29,6 @@ class Held:
     acquired_at: float
     expire: bool
     finished: bool = False
-    # Released at once, never lingering: a "wait" mode run's release is what wakes the next.
-    linger: bool = True
     # The inner lock of a reentrant lock's holding (lock_reentrant=True; see lock/reentrant.py).
     reentrant: bool = False
 
@@ -53,7 +51,7 @@ def release_all(reason: str) -> int:
     for entry in entries:
         process_heartbeat().forget(entry.lock)
         try:
-            entry.lock.release(linger=False)
+            entry.lock.release()
         except Exception:  # one unreachable quorum must not keep the others held
             logger.exception("releasing %s at %s failed", entry.lock.name, reason)
         else:
@@ -68,7 +66,7 @@ def release_task(task_id: str, reason: str) -> bool:
     if entry is None:
         return False
     process_heartbeat().forget(entry.lock)
-    entry.lock.release(linger=False)
+    entry.lock.release()
     logger.warning("released lock %s of task %s: %s", entry.lock.name, task_id, reason)
     return True
 

@@ -5,7 +5,10 @@ RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s
 
 - ``before_task_publish``: stamps the publish time (:data:`.slots.PUBLISHED_HEADER`)
   into every message that has none, in the publishing process (beat, a web process), so
-  ``lock_slot`` can tell which schedule tick a message belongs to.
+  ``lock_slot`` can tell which schedule tick a message belongs to; and a publish id
+  (:data:`PUBLISH_ID_HEADER`), the identity of one publish that its broker redeliveries and its
+  retries carry, so a run can tell an earlier attempt of itself from another publish that reused
+  its task id (see ``contend.contended``).
 - ``worker_init`` (main process): the start-up checks. A configuration that would fail every
   locked run stops the worker before it consumes; what only weakens the locks is logged.
 - ``worker_process_init`` (each prefork child, after fork): builds the child's own Redlock, so
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -36,9 +40,17 @@ from .slots import PUBLISHED_HEADER
 logger = logging.getLogger("celery_redlock.hooks")
 
 
+#: One publish's identity: random, kept by its redeliveries and retries (which carry it over).
+PUBLISH_ID_HEADER = "redlock_publish"
+
+
 def stamp_publish_time(headers: dict[str, Any] | None = None, **_: Any) -> None:
-    if headers is not None and headers.get(PUBLISHED_HEADER) is None:
+    if headers is None:
+        return
+    if headers.get(PUBLISHED_HEADER) is None:
         headers[PUBLISHED_HEADER] = time.time()
+    if headers.get(PUBLISH_ID_HEADER) is None:
+        headers[PUBLISH_ID_HEADER] = secrets.token_hex(8)
 
 
 def release_after_run(

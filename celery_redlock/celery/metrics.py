@@ -56,6 +56,7 @@ from ..lock.admin import round_trips
 from ..lock.redlock import Redlock
 from ..lock.resource import Lock
 from . import signals
+from .runstate import run_of
 from .settings import metrics_setting, read_settings
 
 logger = logging.getLogger("celery_redlock.metrics")
@@ -126,10 +127,9 @@ class _Metrics:
         self.acquisitions.labels(task, "acquired").inc()
         self.acquire_seconds.labels(task).observe(elapsed)
         self.held.labels(task).inc()
-        held = getattr(getattr(sender, "request", None), "_redlock_held", None)
-        lock = getattr(held, "lock", None)
-        if lock is not None:
-            self._count_votes(lock.last_votes)
+        run = run_of(getattr(sender, "request", None))
+        if run is not None and run.held is not None:
+            self._count_votes(run.held.lock.last_votes)
 
     def on_contended(self, sender: Any = None, policy: str = "", error: Any = None, **_: Any) -> None:
         task = _task_name(sender)

@@ -35,7 +35,7 @@ from typing import Any
 from .._fork import on_fork_in_child, pid
 from .._validate import choice, count, flag, number
 from ..errors import ConfigError
-from ..lock.redlock import MAX_RELEASE_LINGER, Redlock
+from ..lock.redlock import Redlock
 
 logger = logging.getLogger("celery_redlock.settings")
 
@@ -56,7 +56,6 @@ DEFAULTS: dict[str, Any] = {
     "redlock_retry_backoff": 1.0,
     "redlock_retry_backoff_max": 60.0,
     "redlock_max_retries": None,
-    "redlock_release_linger": 0.02,
     "redlock_wait_timeout": 10.0,
     "redlock_reentrant": False,
     "redlock_fenced": False,
@@ -68,7 +67,7 @@ DEFAULTS: dict[str, Any] = {
     # unacknowledged is delivered again anyway.
     "redlock_enqueue_ttl": 3600.0,
 }
-# Read by the HA beat (BeatSettings.from_conf in .beat), listed here so that every name the
+# Read by the HA beat (BeatSettings.from_conf in .beatconf), listed here so that every name the
 # package reads is known in one place, for the unknown-name check.
 BEAT_SETTINGS = (
     "redlock_beat_lock_name",
@@ -80,10 +79,15 @@ BEAT_SETTINGS = (
     "redlock_beat_align_intervals",
     "redlock_beat_align_anchor",
 )
-KNOWN_SETTINGS = frozenset(DEFAULTS).union(BEAT_SETTINGS)
+# Accepted and ignored, with a warning at worker start (see check_app): a finished run's release
+# now waits for the masters' replies, so there is nothing left for it to tune.
+DEPRECATED_SETTINGS = {
+    "redlock_release_linger": "a finished run's release now waits for the masters' replies",
+}
+KNOWN_SETTINGS = frozenset(DEFAULTS).union(BEAT_SETTINGS, DEPRECATED_SETTINGS)
 
 # The fields of RedlockSettings a Redlock is made of: a change in any of them needs a new one.
-REDLOCK_FIELDS = ("masters", "ttl", "request_timeout", "drift_factor", "key_prefix", "release_linger")
+REDLOCK_FIELDS = ("masters", "ttl", "request_timeout", "drift_factor", "key_prefix")
 
 _generations = itertools.count(1)
 
@@ -102,7 +106,6 @@ class RedlockSettings:
     retry_backoff: float
     retry_backoff_max: float
     max_retries: int | None
-    release_linger: float
     wait_timeout: float = DEFAULTS["redlock_wait_timeout"]
     reentrant: bool = False
     fenced: bool = False
@@ -114,9 +117,8 @@ class RedlockSettings:
     # given the id of an older one that was freed.
     generation: int = field(default_factory=lambda: next(_generations), compare=False, repr=False)
 
-    def redlock(self, *, linger: bool = True) -> Redlock:
-        """A new Redlock over these settings; ``linger=False`` sends every release at once
-        (the beat's leader lock: its release must not wait for company that never comes)."""
+    def redlock(self) -> Redlock:
+        """A new Redlock over these settings."""
         return Redlock(
             list(self.masters),
             ttl=self.ttl,
@@ -124,7 +126,6 @@ class RedlockSettings:
             drift_factor=self.drift_factor,
             request_timeout=self.request_timeout,
             key_prefix=self.key_prefix,
-            release_linger=self.release_linger if linger else 0.0,
             fence_retention=self.fence_retention,
         )
 
@@ -178,14 +179,6 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
             "redlock_retry_backoff_max", get("redlock_retry_backoff_max"), at_least=0, unit="seconds"
         ),
         max_retries=None if max_retries is None else count("redlock_max_retries", max_retries),
-        release_linger=number(
-            "redlock_release_linger",
-            get("redlock_release_linger"),
-            at_least=0,
-            at_most=MAX_RELEASE_LINGER,
-            unit="seconds",
-            why="it delays a finished task's release by up to that much",
-        ),
         wait_timeout=wait_timeout_setting("redlock_wait_timeout", get("redlock_wait_timeout")),
         reentrant=flag("redlock_reentrant", get("redlock_reentrant")),
         fenced=flag("redlock_fenced", get("redlock_fenced")),
@@ -256,26 +249,40 @@ def unknown_settings(conf: Mapping[str, Any]) -> list[str]:
         return tuple(to_keys(name)) if to_keys is not None else (name,)
 
     read = {key for name in KNOWN_SETTINGS for key in keys_of(name)}
-    # Matched on what follows "redlock_": the prefix all share would make any name look close.
-    known = {name.removeprefix("redlock_"): name for name in KNOWN_SETTINGS}
     messages = []
     for key in keys:
         if not isinstance(key, str) or key in read:
             continue
-        namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
-        if prefix and not (namespaced or key.islower()):
+        looks_like_ours = _setting_named(key, prefix)
+        if looks_like_ours is None:
             continue
-        bare = (key[len(prefix) :] if namespaced else key).lower()
-        if not bare.startswith("redlock_"):
-            continue
-        close = difflib.get_close_matches(bare.removeprefix("redlock_"), sorted(known), n=1)
-        if close:
-            name = known[close[0]]
-            meant = keys_of(name)[0] if namespaced else name
-            messages.append(f"{key!r} is not a celery-redlock setting; did you mean {meant!r}?")
-        else:
+        bare, namespaced = looks_like_ours
+        close = _closest_setting(bare)
+        if close is None:
             messages.append(f"{key!r} is not a celery-redlock setting (docs/settings.md lists them)")
+        else:
+            meant = keys_of(close)[0] if namespaced else close
+            messages.append(f"{key!r} is not a celery-redlock setting; did you mean {meant!r}?")
     return messages
+
+
+def _setting_named(key: str, prefix: str) -> tuple[str, bool] | None:
+    """The setting name ``key`` spells (lower-case, outside the namespace ``prefix``) and whether
+    it is in that namespace; None for a key that does not begin ``redlock_`` or is somebody else's
+    (outside the namespace, and not lower-case)."""
+    namespaced = bool(prefix) and key.upper().startswith(prefix.upper())
+    if prefix and not (namespaced or key.islower()):
+        return None
+    bare = (key[len(prefix) :] if namespaced else key).lower()
+    return (bare, namespaced) if bare.startswith("redlock_") else None
+
+
+def _closest_setting(bare: str) -> str | None:
+    """The known setting whose name is closest to ``bare``'s, if any is close."""
+    # Matched on what follows "redlock_": the prefix all share would make any name look close.
+    known = {name.removeprefix("redlock_"): name for name in KNOWN_SETTINGS}
+    close = difflib.get_close_matches(bare.removeprefix("redlock_"), sorted(known), n=1)
+    return known[close[0]] if close else None
 
 
 def refuse_unknown_settings(conf: Mapping[str, Any]) -> None:
@@ -366,7 +373,7 @@ def app_settings_and_redlock(app: Any) -> tuple[RedlockSettings, Redlock]:
         built = _build(app, conf, entry)
         _cache[id(app)] = built
     if entry is not None and built.redlock is not entry.redlock:
-        # Sends the old Redlock's lingering releases and closes its idle links. A lock still
+        # Closes the old Redlock's idle links. A lock still
         # held on it keeps it (Lock.redlock): its extensions and release go to the masters that
         # granted it, on new links.
         entry.redlock.close()

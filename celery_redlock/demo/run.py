@@ -119,21 +119,7 @@ def run_demo(options: DemoOptions, console: Console) -> int:
     began = time.monotonic()
     rng = random.Random(options.seed)
     with contextlib.ExitStack() as stack:
-        masters: ServerSet | None = None
-        if options.masters:
-            master_urls = options.masters
-        else:
-            masters = stack.enter_context(ServerSet(5))
-            master_urls = masters.urls
-            for server in masters:
-                console.print(f"master {server.address} pid {server.pid}")
-        if options.broker:
-            broker_url = options.broker
-        else:
-            broker = stack.enter_context(RedisServer())
-            broker_url = broker.url
-            console.print(f"broker {broker.address} pid {broker.pid}")
-
+        masters, master_urls, broker_url = _servers(options, stack, console)
         ledger_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="redlock-demo-")))
         env = {
             "CELERY_REDLOCK_DEMO_BROKER": broker_url,
@@ -166,29 +152,12 @@ def run_demo(options: DemoOptions, console: Console) -> int:
 
         ids = burst(options.tasks, options.invoices, rng)
         reader = LedgerReader(ledger_dir)
-        killed = "no"
         started = time.monotonic()
         with demo_tasks.app.producer_or_acquire() as producer:
             for invoice_id in ids:
                 demo_tasks.charge_invoice.apply_async((invoice_id,), producer=producer)
         console.print(f"submitted {len(ids)} charge_invoice calls over {options.invoices} invoices")
-
-        deadline = started + options.deadline
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-        ) as progress:
-            bar = progress.add_task("tasks finished", total=len(ids))
-            while reader.finished < len(ids) and time.monotonic() < deadline:
-                time.sleep(POLL)
-                reader.poll()
-                progress.update(bar, completed=reader.finished)
-                if options.kill_master and killed == "no" and reader.finished >= len(ids) // 2:
-                    killed = _kill_one(masters, rng, console)
+        killed = _watch(reader, len(ids), started + options.deadline, options, masters, rng, console)
         wall = time.monotonic() - started
 
         for worker in workers:
@@ -209,6 +178,58 @@ def run_demo(options: DemoOptions, console: Console) -> int:
             for worker in workers:
                 console.print(worker.log_tail(1500), markup=False)
         return 0 if summary.ok else 1
+
+
+def _servers(
+    options: DemoOptions, stack: contextlib.ExitStack, console: Console
+) -> tuple[ServerSet | None, list[str], str]:
+    """The masters' URLs and the broker's: the real servers given, or embedded ones started here
+    and stopped with ``stack``. The embedded masters are returned too: one of them is killed."""
+    masters: ServerSet | None = None
+    if options.masters:
+        master_urls = options.masters
+    else:
+        masters = stack.enter_context(ServerSet(5))
+        master_urls = masters.urls
+        for server in masters:
+            console.print(f"master {server.address} pid {server.pid}")
+    if options.broker:
+        broker_url = options.broker
+    else:
+        broker = stack.enter_context(RedisServer())
+        broker_url = broker.url
+        console.print(f"broker {broker.address} pid {broker.pid}")
+    return masters, master_urls, broker_url
+
+
+def _watch(
+    reader: LedgerReader,
+    total: int,
+    deadline: float,
+    options: DemoOptions,
+    masters: ServerSet | None,
+    rng: random.Random,
+    console: Console,
+) -> str:
+    """Show the burst's progress until all ``total`` tasks finished or ``deadline`` (monotonic)
+    passed, killing a master half-way if asked; which master was killed ("no" if none)."""
+    killed = "no"
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        bar = progress.add_task("tasks finished", total=total)
+        while reader.finished < total and time.monotonic() < deadline:
+            time.sleep(POLL)
+            reader.poll()
+            progress.update(bar, completed=reader.finished)
+            if options.kill_master and killed == "no" and reader.finished >= total // 2:
+                killed = _kill_one(masters, rng, console)
+    return killed
 
 
 def _kill_one(masters: ServerSet | None, rng: random.Random, console: Console) -> str:

@@ -9,7 +9,7 @@ Elsewhere (macOS's monotonic clock already counts sleep; Windows' as well) ``tim
 is used.
 
 Every reading of time in ``lock/`` that a validity or a deadline derived from one depends on goes
-through :func:`now` (``masters.py`` times only its own round trips and uses ``time.monotonic``;
+through :func:`now` (the transport times only its own round trips and uses ``time.monotonic``;
 a round cut short by a suspend fails on its own timeout either way).
 
 Cost: on Linux both clocks are read through the vDSO, with no system call. Measured on this

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 
 from . import scripts, wire
-from .masters import script_template
+from .transport.commands import script_template
 
 ACQUIRE = wire.Template(("SET", wire.SLOT, wire.SLOT, "NX", "PX", wire.SLOT))  # key token <ms>
 RELEASE = script_template(scripts.RELEASE, 1, 1)  # key token

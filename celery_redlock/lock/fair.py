@@ -13,7 +13,8 @@ number on every master; an *entry* is the member on one master, with its deadlin
 **Tickets need no clock** (after Lamport's bakery). An acquire call's first attempt is a
 *probe*: it takes the lock only if it is free and nobody queues, and every refusal carries that
 master's highest ticket + 1. The waiter takes the largest over the masters that answered and
-*joins* with it everywhere, in its next attempt. INVARIANT (arrival order): if A's join was
+*joins* with it everywhere, in its next attempt, which follows at once in either wait mode
+(``"release"`` or ``"poll"``). INVARIANT (arrival order): if A's join was
 acknowledged by a quorum before B's probe began, B's probe met a master that holds A's entry,
 so B's ticket is larger than A's, on every master. Arrivals that overlap get some order, but
 the same one everywhere: equal tickets sort by member.
@@ -45,8 +46,8 @@ from typing import TYPE_CHECKING
 from ..errors import Vote
 from . import scripts
 from .commands import milliseconds
-from .masters import Command, Outcome, script_template
 from .resource import DEADLINES_SUFFIX, QUEUE_SUFFIX, Lock
+from .transport.commands import Command, Outcome, script_template
 
 if TYPE_CHECKING:
     from .redlock import Redlock
@@ -183,11 +184,14 @@ class FairLock(Lock):
     def _granted(self, entry: Entry) -> None:
         self._member = entry.member
 
+    def _joins_next(self, entry: Entry) -> bool:
+        # Probed and given a ticket, queued nowhere yet: the join goes at once, in both wait
+        # modes, so arrival order is the order of the probes' quorums (the INVARIANT above).
+        return bool(entry.ticket) and not entry.placed
+
     def _leave(self, entry: Entry) -> None:
         if entry.ticket:  # it may have joined somewhere (a timed-out join may have landed)
-            self.redlock.release_key(
-                self.key, "", linger=False, command=RELEASE.pack(*self._keys, "", entry.member, "1")
-            )
+            self.redlock.send_release(self.key, "", command=RELEASE.pack(*self._keys, "", entry.member, "1"))
 
     def _release_command(self, token: str) -> Command | None:
         member, self._member = self._member, None

@@ -37,14 +37,18 @@ its downtime; a counter retained (``fence_retention``) for less than the worst c
 lock names, or two master sets, guarding one resource. A clock stepped forward makes fences jump
 ahead and stay there: still increasing.
 
-**Cost.** Two round trips per grant instead of one; a refused first round costs what an unfenced
-attempt does. Extensions and the heartbeat do not touch the counter. Fences grow by at least one
-per grant, not by exactly one: retries and failed write-backs leave gaps.
+**Cost.** Two round trips per grant instead of one, both within the one ``request_timeout`` an
+attempt may take, the transport's resend of a script a master lost (NOSCRIPT) included (so an
+acquire keeps the bound of every kind: its timeout plus one ``request_timeout``): masters must
+answer within half of it, and a slower quorum fails fenced attempts rather than overrun. A
+refused first round costs what an unfenced attempt does. Extensions and the heartbeat do not
+touch the counter. Fences grow by at least one per grant, not by exactly one: retries and failed
+write-backs leave gaps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 from typing import TYPE_CHECKING, Any
 
 from .._fork import pid
@@ -52,19 +56,15 @@ from ..errors import RedlockError, Vote
 from . import scripts
 from .clock import now
 from .commands import RELEASE, milliseconds
-from .masters import NOSCRIPT, Command, Outcome, Round, common_outcome, script_sha_template, script_template
 from .resource import FENCE_SUFFIX, Lock
+from .tally import is_one, is_positive, retraction
+from .transport.commands import Command, Outcome, common_outcome, script_template
 
 if TYPE_CHECKING:
     from .redlock import Redlock
 
-# Sent by digest: the two scripts' sources are most of a fenced round's bytes, and five masters
-# sharing two cores each hash and parse them (by EVAL, 65 us more per grant at N=5). A master
-# without them (restarted, flushed) answers NOSCRIPT, runs nothing, and is sent the source.
-ACQUIRE = script_sha_template(scripts.FENCED_ACQUIRE, 2, 2)  # key counter token <ms>
-ACQUIRE_SOURCE = script_template(scripts.FENCED_ACQUIRE, 2, 2)
-WRITE_BACK = script_sha_template(scripts.FENCE_WRITE_BACK, 2, 3)  # key counter token fence <ms>
-WRITE_BACK_SOURCE = script_template(scripts.FENCE_WRITE_BACK, 2, 3)
+ACQUIRE = script_template(scripts.FENCED_ACQUIRE, 2, 2)  # key counter token <ms>
+WRITE_BACK = script_template(scripts.FENCE_WRITE_BACK, 2, 3)  # key counter token fence <ms>
 
 # The suffix of a lock key's fence counter (lock_key refuses names ending in it).
 COUNTER_SUFFIX = FENCE_SUFFIX
@@ -80,75 +80,46 @@ def try_acquire_fenced(
     ``expiry``, if given, receives when a quorum could be free at the earliest (as
     ``Redlock.try_acquire`` gives it a waiting lock).
 
-    Both rounds run in one ``Round``, on the same links, so a retraction always travels behind
-    whatever of ours it must follow. The votes of a failure are round 2's for the masters of Q
-    (a fence write-back refused or late) and round 1's for the others.
+    Both rounds run in one exchange, on the same links, so a retraction always travels behind
+    whatever of ours it must follow. They share one deadline, ``request_timeout`` from the start,
+    as one unfenced round does; round 1 has its first half. The votes of a failure are round 2's
+    for the masters of Q (a fence write-back refused or late) and round 1's for the others.
     """
     counter = key + COUNTER_SUFFIX
     n = len(redlock.masters)
     ms = milliseconds(ttl)
     t_start = now()
+    deadline = time.monotonic() + redlock.request_timeout  # the exchange's clock
+    # INVARIANT: round 1 ends by half the deadline, leaving round 2 the other half: a minority
+    # master that does not answer (paused, partitioned) then costs a fenced attempt what it costs
+    # a plain one, time, never the grant (waited for until the deadline, it left round 2 none).
+    halfway = deadline - redlock.request_timeout / 2
+    release = RELEASE.pack(key, token)
     with redlock._round() as rnd:
-        first = _call(
-            rnd,
-            [ACQUIRE.pack(key, counter, token, ms)] * n,
-            lambda: ACQUIRE_SOURCE.pack(key, counter, token, ms),
-            redlock.request_timeout,
-        )
-        readings = [o.value for o in first if o.kind == "ok" and type(o.value) is int and o.value > 0]
-        if len(readings) == n:  # the usual round: every master granted
-            votes = list(redlock._granted_votes)
-            granted = list(range(n))
-        else:
-            votes = _votes(redlock, first, _is_counter)
-            granted = [i for i, vote in enumerate(votes) if vote.kind == "yes"]
+        first = rnd.call([ACQUIRE.pack(key, counter, token, ms)] * n, max(0.0, halfway - time.monotonic()))
+        votes, granted, fence = _round_one(redlock, first)
         if expiry is not None:
             expiry.clear()
             expiry.append(redlock._free_at([_as_pttl(o) for o in first], now()))
         if len(granted) < redlock.quorum or ttl - (now() - t_start) - redlock.drift(ttl) <= 0:
             # As any failed attempt: every master but those that refused gets the retraction.
-            release = RELEASE.pack(key, token)
-            retract = [None if v.kind == "held" else release for v in votes]
+            retract = retraction(votes, release)
             if any(retract):
                 rnd.send(retract, redlock.request_timeout)
             return 0.0, votes, now() - t_start, 0
-        fence = max(readings) + 1
-        release = RELEASE.pack(key, token)
         if fence >= MAX_FENCE:
-            rnd.send([None if v.kind == "held" else release for v in votes], redlock.request_timeout)
+            rnd.send(retraction(votes, release), redlock.request_timeout)
             raise RedlockError(f"fence {fence} for {key!r} is past 2^53: a master's clock is far ahead")
         decimal = str(fence)
         retention = milliseconds(redlock.fence_retention)
         write_back = WRITE_BACK.pack(key, counter, token, decimal, retention)
-        # Round 2 goes to Q only; a master late in round 1 gets its retraction in the same call,
-        # queued behind its late SET (its outcome is not waited for), and so does one that
-        # answered an error (the script may have set the key before it failed).
-        second: list[Command | None] = (
-            [write_back] * n
-            if len(granted) == n
-            else [
-                write_back if i in granted else (None if votes[i].kind == "held" else release)
-                for i in range(n)
-            ]
-        )
-        outcomes = _call(
-            rnd,
-            second,
-            lambda: WRITE_BACK_SOURCE.pack(key, counter, token, decimal, retention),
-            redlock.request_timeout,
+        # Sent even when no time is left: its replies are then late, the attempt fails, and the
+        # retraction below follows the write-backs on the same links.
+        outcomes = rnd.call(
+            _round_two(votes, granted, write_back, release), max(0.0, deadline - time.monotonic())
         )
         elapsed = now() - t_start
-        if outcomes.count(_RECORDED) == n:  # the usual round: recorded everywhere
-            recorded = n
-        else:
-            recorded = 0
-            for i in granted:
-                outcome = outcomes[i]
-                if outcome.kind == "ok":
-                    recorded += outcome.value == 1
-                    votes[i] = Vote(redlock.masters[i].name, "yes" if outcome.value == 1 else "held")
-                else:
-                    votes[i] = Vote(redlock.masters[i].name, outcome.kind, outcome.detail)
+        recorded = _recorded(redlock, outcomes, granted, votes)
         validity = ttl - elapsed - redlock.drift(ttl)
         if recorded >= redlock.quorum and validity > 0:
             return validity, votes, elapsed, fence
@@ -159,29 +130,37 @@ def try_acquire_fenced(
     return 0.0, votes, elapsed, 0
 
 
-def _call(
-    rnd: Round, by_digest: list[Command | None], source: Callable[[], Command], timeout: float
-) -> list[Outcome]:
-    """``rnd.call(by_digest)``; masters that answered NOSCRIPT (which ran nothing) are sent the
-    script's source in one more call: only after a master lost its script cache."""
-    outcomes = rnd.call(by_digest, timeout)
-    missing = [
-        i
-        for i, outcome in enumerate(outcomes)
-        if outcome.kind == "error" and outcome.detail.startswith("ResponseError: " + NOSCRIPT)
+def _round_one(redlock: Redlock, first: list[Outcome]) -> tuple[list[Vote], list[int], int]:
+    """Round 1's votes, the masters that granted (Q), and the fence F = max(c over Q) + 1."""
+    readings = [o.value for o in first if o.kind == "ok" and type(o.value) is int and o.value > 0]
+    if len(readings) == len(first):  # the usual round: every master granted
+        return list(redlock.tally.granted), list(range(len(first))), max(readings) + 1
+    votes, _ = redlock.tally.votes(first, is_positive)
+    granted = [i for i, vote in enumerate(votes) if vote.kind == "yes"]
+    return votes, granted, (max(readings) + 1 if readings else 0)
+
+
+def _round_two(
+    votes: list[Vote], granted: list[int], write_back: Command, release: Command
+) -> list[Command | None]:
+    """Round 2's commands: the write-back to Q only. A master late in round 1 gets its
+    retraction in the same call, queued behind its late SET (its outcome is not waited for),
+    and so does one that answered an error (the script may have set the key before it failed)."""
+    if len(granted) == len(votes):
+        return [write_back] * len(votes)
+    return [
+        write_back if i in granted else (None if votes[i].kind == "held" else release)
+        for i in range(len(votes))
     ]
-    if missing:
-        command = source()
-        again = rnd.call([command if i in missing else None for i in range(len(outcomes))], timeout)
-        for i in missing:
-            outcomes[i] = again[i]
-    return outcomes
 
 
-def _is_counter(value: object) -> bool:
-    """A FENCED_ACQUIRE grant: the master's counter value, an int > 0 (a refusal answers
-    -1 - the holder's PTTL)."""
-    return isinstance(value, int) and value > 0
+def _recorded(redlock: Redlock, outcomes: list[Outcome], granted: list[int], votes: list[Vote]) -> int:
+    """How many masters of Q recorded the fence; their votes in ``votes`` become round 2's."""
+    if outcomes.count(_RECORDED) == len(outcomes):  # the usual round: recorded everywhere
+        return len(outcomes)
+    for i in granted:
+        votes[i] = redlock.tally.vote(i, outcomes[i], is_one)
+    return sum(1 for i in granted if votes[i].kind == "yes")
 
 
 def _as_pttl(outcome: Outcome) -> Outcome:
@@ -191,16 +170,6 @@ def _as_pttl(outcome: Outcome) -> Outcome:
     if isinstance(value, int):
         return Outcome("ok", b"OK" if value > 0 else -1 - value)
     return outcome
-
-
-def _votes(redlock: Redlock, outcomes: list[Outcome], granted: Callable[[Any], bool]) -> list[Vote]:
-    votes = []
-    for master, outcome in zip(redlock.masters, outcomes, strict=True):
-        if outcome.kind == "ok":
-            votes.append(Vote(master.name, "yes" if granted(outcome.value) else "held"))
-        else:
-            votes.append(Vote(master.name, outcome.kind, outcome.detail))
-    return votes
 
 
 class _Grant:

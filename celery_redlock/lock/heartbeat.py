@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from .._fork import on_fork_in_child
 from .._validate import number
+from ..errors import ConfigError
 from .clock import now
 from .redlock import Redlock
 from .reentrant import ReentrantLock
@@ -84,7 +85,58 @@ class _Entry:
     hold_until: float | None
     token: str | None
     done: bool = False
-    capped: bool = False
+
+
+def longest_interval(ttl: float, request_timeout: float, drift: float) -> float:
+    """The longest heartbeat interval that keeps a lock of ``ttl`` seconds alive.
+
+    INVARIANT: an extension lands before the validity of the one before it runs out, even when
+    one extension round is missed. The round after a successful one starts ``interval`` later
+    and may take ``request_timeout``; if it fails, a retry follows at once (the heartbeat
+    retries quickly while validity is left) and may take ``request_timeout`` too; and the
+    validity of a round is its TTL less ``drift`` (counted from before the round). So
+    ``interval + 2 * request_timeout + drift <= ttl``. Zero or less: no interval can keep a lock
+    of that TTL.
+    """
+    return ttl - drift - 2 * request_timeout
+
+
+# The least margin over a heartbeat interval (see margin()).
+MIN_MARGIN = 0.5
+
+
+def margin(interval: float, request_timeout: float) -> float:
+    """How much longer than its heartbeat ``interval`` a kept lock may go unextended before it is
+    no longer counted as owned, and before an operator's watch may call its holder dead (the
+    same number on both sides: see :mod:`.liveness`).
+
+    Two request timeouts: the round that extends may take one, and a failed one is retried;
+    MIN_MARGIN: a busy process's thread wakes late; half the interval: a heartbeat late under
+    load.
+    """
+    return max(MIN_MARGIN, 2 * request_timeout, interval / 2)
+
+
+def heartbeat_interval(lock: Lock, interval: float | None) -> float:
+    """``interval`` checked against :func:`longest_interval`, or, for None, the default: a
+    third of the TTL, or less where the rule needs less. A :class:`ConfigError` names the
+    largest interval allowed."""
+    redlock = lock.redlock
+    longest = longest_interval(lock.ttl, redlock.request_timeout, redlock.drift(lock.ttl))
+    if interval is None:
+        interval = min(lock.ttl / 3, longest)
+        if interval > 0:
+            return interval
+    else:
+        interval = number("heartbeat interval", interval, above=0, unit="seconds")
+        if interval <= longest:
+            return interval
+    raise ConfigError(
+        f"heartbeat interval {interval:g} s cannot keep lock {lock.name!r} alive: with ttl "
+        f"{lock.ttl:g} s and request_timeout {redlock.request_timeout:g} s the largest interval "
+        f"allowed is {max(0.0, longest):g} s (ttl - drift - 2 x request_timeout: an extension "
+        "must land before validity ends even when one round is missed)"
+    )
 
 
 # Queue items are (due time, sequence, entry) tuples: the heap compares them in C, where an
@@ -133,11 +185,13 @@ class Heartbeat:
         lock = _kept(lock)
         if not lock.owned():
             raise ValueError(f"lock {lock.name!r} is not held; acquire it before keeping it alive")
-        every = (
-            lock.ttl / 3
-            if interval is None
-            else number("heartbeat interval", interval, above=0, unit="seconds")
-        )
+        every = heartbeat_interval(lock, interval)
+        # INVARIANT (an operator's release never breaks a live holder): a kept lock counts as
+        # owned only until interval + margin after the start of its last extension (or from
+        # now, for the first). An operator's watch calls a holder dead only after seeing no
+        # extension for that long (lock/liveness.py), so by then the holder no longer acts on
+        # the lock even if its heartbeat was held up (a long C call holding the GIL, SIGSTOP).
+        lock._keep_alive(every + margin(every, lock.redlock.request_timeout))
         if max_hold is not None:
             max_hold = number("max_hold", max_hold, above=0, unit="seconds")
         hold_until = None if max_hold is None else now() + max_hold
@@ -159,6 +213,7 @@ class Heartbeat:
     def forget(self, lock: Lock | ReentrantLock) -> None:
         """Stop keeping ``lock`` alive (call before or after releasing it)."""
         lock = _kept(lock)
+        lock._keep_alive(None)
         with self._cond:
             entry = self._entries.pop(id(lock), None)
             if entry is not None:
@@ -294,17 +349,15 @@ class Heartbeat:
             return None
         current = now()
         if entry.hold_until is not None and current >= entry.hold_until:
-            if lock.owned():
-                if not entry.capped:
-                    entry.capped = True
-                    logger.warning(
-                        "lock %s reached its max hold; no longer extended, it expires in %.1f s",
-                        lock.name,
-                        lock.validity,
-                    )
-                self._reschedule(entry, current + lock.validity)
-            else:
-                self._lost(lock, entry, "max hold reached; the lock was left to expire")
+            # INVARIANT: a holder whose lock is no longer extended is told at once (its owned()
+            # turns False, ensure() raises), while the key still has validity left on the
+            # masters: its body can stop before another client can take the lock.
+            left = lock.validity
+            lock._give_up("max hold reached; the lock is no longer extended and is left to expire")
+            logger.warning(
+                "lock %s reached its max hold; no longer extended, it expires in %.1f s", lock.name, left
+            )
+            self._lost(lock, entry, "max hold reached; the lock was left to expire")
             return None
         return lock
 
@@ -316,7 +369,11 @@ class Heartbeat:
             self._finish(lock, entry)
             return
         if lock.owned():
-            retry = max(MIN_RETRY, lock.validity * RETRY_FRACTION)
+            # Close to the end of validity the retry goes at once: the interval rule
+            # (longest_interval) counts on it following the failed round without a pause.
+            left = lock.validity
+            quick = left < 2 * lock.redlock.request_timeout
+            retry = MIN_RETRY if quick else max(MIN_RETRY, left * RETRY_FRACTION)
             logger.warning(
                 "extension of %s failed; %.2f s of validity left, retrying in %.2f s",
                 lock.name,

@@ -21,12 +21,11 @@ acquire it anew, as a contender of its own.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .._fork import on_fork_in_child, pid
@@ -36,27 +35,32 @@ from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .fair import FairLock
 from .fencing import FencedLock
-from .linger import Lingering
-from .masters import (
-    GRANTED,
-    HELD,
-    Command,
-    LinkSet,
-    Master,
-    Outcome,
-    Round,
-    refuse_shared_servers,
-)
 from .reentrant import ReentrantLock
 from .resource import HOLDER_SEPARATOR, Lock, lock_key
 from .subscriber import Subscriber
+from .tally import Tally, is_ok, is_one, to_late
+from .tally import retraction as retraction_of
+from .transport.commands import GRANTED, HELD, Command, Outcome
+from .transport.fast import FastTransport
+from .transport.identity import refuse_shared_servers
+from .transport.interface import Exchange, Transport
+from .transport.master import Master
 
 logger = logging.getLogger("celery_redlock.redlock")
 
 # The least drift allowed for, whatever the TTL: clock granularity and the scheduling delay
 # between a master setting the key and its reply being read.
 CLOCK_DRIFT_FLOOR = 0.002
-MAX_RELEASE_LINGER = 1.0
+# The longest TTL the servers take (seconds, ~290 million years). ``PX`` and ``PEXPIRE`` take a
+# signed 64-bit count of milliseconds, which the server adds to its clock (milliseconds since the
+# epoch) and refuses if the sum passes 2**63 - 1 (about 9.2234e18): this leaves room for a clock
+# 700,000 years ahead, and is exact as a float and in milliseconds. Above the servers' bound,
+# every acquire would fail on every master ("invalid expire time" or "not an integer").
+MAX_TTL = 9.2e15
+_MAX_TTL_WHY = "the servers count a TTL in milliseconds added to their clock, in 63 bits"
+# What carries the commands (see lock/transport/interface.py): the default, and the plain
+# redis-py one the contract tests run beside it.
+TRANSPORTS = ("fast", "redis-py")
 
 
 class RedlockWarning(UserWarning):
@@ -78,13 +82,18 @@ class Redlock:
     was lost. ``"poll"``: it tries again after a random delay in ``[0, retry_delay)``, for
     servers that refuse SUBSCRIBE.
 
-    ``release_linger`` (seconds, 0 by default) lets a release wait that long at most to travel
-    with this process's next round to the masters instead of in one of its own (see
-    :mod:`celery_redlock.lock.linger`); ``Lock.release(linger=False)`` still sends at once.
+    ``release_linger`` is accepted for compatibility and has no effect: a release now waits for
+    the masters' replies (see :meth:`Lock.release`), and a release that waited for company would
+    let a contender that starts after it was called find the lock still held.
+
+    ``transport``: what carries the commands to the masters. ``"fast"`` (the default) drives
+    its own non-blocking connections; ``"redis-py"`` uses redis-py connection pools and a thread
+    per master, with the same guarantees (bounded rounds, per-master order, releases never lost)
+    at a higher cost per round; see :mod:`celery_redlock.lock.transport`.
 
     A TTL (here, in :meth:`lock` or in :meth:`Lock.extend`) below :attr:`min_ttl`,
     ``(2 ms + request_timeout) / (1 - drift_factor)``, is a :class:`ConfigError`: no round could
-    be relied on to leave any validity.
+    be relied on to leave any validity; so is one above :data:`MAX_TTL`, which no server takes.
     """
 
     def __init__(
@@ -101,10 +110,17 @@ class Redlock:
         wait: str = "release",
         wait_poll: float | None = None,
         fence_retention: float = 86400.0,
+        transport: str = "fast",
     ) -> None:
         if isinstance(masters, (str, bytes)):
             masters = [masters]
-        specs = list(masters)
+        try:
+            specs = list(masters)
+        except TypeError:
+            raise ConfigError(
+                f"masters must be a list of redis URLs or redis.Redis clients, got "
+                f"{type(masters).__name__} {masters!r}"
+            ) from None
         if not specs:
             raise ConfigError("masters: at least one master is needed")
         ttl = number("ttl", ttl, above=0, unit="seconds")
@@ -117,14 +133,12 @@ class Redlock:
         if not isinstance(key_prefix, str):
             raise ConfigError(f"key_prefix must be a str, got {key_prefix!r}")
         self.key_prefix = key_prefix
-        self.release_linger = number(
-            "release_linger",
-            release_linger,
-            at_least=0,
-            at_most=MAX_RELEASE_LINGER,
-            unit="seconds",
-            why="it delays every release by up to that much",
-        )
+        if number("release_linger", release_linger, at_least=0, unit="seconds"):
+            warnings.warn(
+                "release_linger has no effect: a release waits for the masters' replies",
+                DeprecationWarning,
+                stacklevel=2,
+            )
 
         self.wait = choice("wait", wait, ("release", "poll"))
         self.wait_poll = number(
@@ -137,7 +151,9 @@ class Redlock:
 
         # How long a name's fence counter outlives its last fenced grant (see fencing.py): once it
         # has expired, the clock floor is a whole retention past the last fence recorded.
-        self.fence_retention = number("fence_retention", fence_retention, above=0, unit="seconds")
+        self.fence_retention = number(
+            "fence_retention", fence_retention, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY
+        )
         if self.fence_retention < 3600:
             message = (
                 f"fence_retention {self.fence_retention:g} s is under an hour: a counter that expires "
@@ -155,38 +171,23 @@ class Redlock:
             warnings.warn(message, RedlockWarning, stacklevel=2)
             logger.warning(message)
         self.quorum = len(self.masters) // 2 + 1
-        # Votes are immutable; the two answers a healthy master gives are shared, not rebuilt.
-        self._granted_votes = [Vote(m.name, "yes") for m in self.masters]
-        self._refused_votes = [Vote(m.name, "held") for m in self.masters]
-        # Nothing this Redlock starts may outlive it. The linger ticker is given the masters, not
-        # the Redlock (a bound method would keep the Redlock alive for as long as the thread
-        # runs), and a Redlock dropped without close() is closed when it is collected: its
-        # lingering releases are sent, the ticker stops, every idle link is closed.
-        # Whole sets of idle links, one per master, that rounds leave and take (see LinkSet).
-        self._sets: list[LinkSet] = []
-        on_fork_in_child(self._after_fork_in_child)
-        self._lingering = (
-            Lingering(
-                self.release_linger, functools.partial(_send, self.masters, self._sets, self.request_timeout)
-            )
-            if self.release_linger
-            else None
-        )
+        # Outcomes to votes, for every kind of lock (lock/tally.py).
+        self.tally = Tally([m.name for m in self.masters])
+        self.transport: Transport = _transport(choice("transport", transport, TRANSPORTS), self.masters)
+        # Every operation's exchange with the masters; bound once (the hot path's one lookup).
+        self._round: Callable[[], Exchange] = self.transport.round
+        on_fork_in_child(self.transport.after_fork_in_child)
         # The waiters' listening links; nothing is connected, and no thread runs, until a wait.
         self._subscriber = Subscriber(self.masters, self.request_timeout)
+        # Nothing this Redlock starts may outlive it: a Redlock dropped without close() is closed
+        # when it is collected, and every idle link is closed.
         self._finalizer = weakref.finalize(
-            self, _close_quietly, self._lingering, self.masters, self._sets, self._subscriber
+            self, _close_quietly, self.masters, self.transport, self._subscriber
         )
-        self._finalizer.atexit = False  # at exit, linger's own hook sends what still lingers
+        self._finalizer.atexit = False  # at exit the sockets close with the process
 
     def __repr__(self) -> str:
         return f"<Redlock {len(self.masters)} masters quorum={self.quorum} ttl={self.ttl}s>"
-
-    def _after_fork_in_child(self) -> None:
-        # The parent's parked links are the parent's: dropped unused, as Master drops its idle
-        # stacks, which closes only the child's copies of their sockets. Emptied in place: the
-        # linger sender holds the same list.
-        self._sets.clear()
 
     # -- public factory --------------------------------------------------------------------------
     @overload
@@ -265,17 +266,12 @@ class Redlock:
             raise ConfigError(f"reentrant must be True or False, got {reentrant!r}")
         return Lock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
 
-    def flush_releases(self) -> None:
-        """Send every lingering release now (see ``release_linger``)."""
-        if self._lingering is not None:
-            self._lingering.flush()
-
     def close(self) -> None:
-        """Send any lingering releases, then close every idle connection.
+        """Close every idle connection, and the waiters' listening ones.
 
         Safe to call again; the Redlock stays usable (a later operation reconnects).
         """
-        _close(self._lingering, self.masters, self._sets, self._subscriber)
+        _close(self.masters, self.transport, self._subscriber)
 
     def __enter__(self) -> Redlock:
         return self
@@ -288,9 +284,9 @@ class Redlock:
         return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
 
     def check_ttl(self, name: str, value: object) -> float:
-        """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`), else a
-        :class:`ConfigError` that names the minimum and what it follows from."""
-        ttl = number(name, value, above=0, unit="seconds")
+        """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`, at most
+        :data:`MAX_TTL`), else a :class:`ConfigError` that names the bound and what it follows from."""
+        ttl = number(name, value, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY)
         if ttl < self.min_ttl:
             raise ConfigError(
                 f"{name} must be at least {self.min_ttl:g} seconds, got {value!r}: a round may take up "
@@ -299,28 +295,6 @@ class Redlock:
                 "shorter TTL could be granted by every master and still leave no validity"
             )
         return ttl
-
-    def _round(self) -> Round:
-        # Lingering releases ride along with whatever this round sends first.
-        lingering = self._lingering
-        return Round(self.masters, lingering.take() if lingering is not None else (), self._sets)
-
-    def _votes(self, outcomes: Sequence[Outcome], granted: object = 1) -> tuple[list[Vote], int]:
-        """One vote per master: ``yes`` where the reply equals ``granted``, ``held`` where it
-        does not (the key is someone else's, or gone), else the error or timeout; and how many
-        said yes."""
-        votes = []
-        yes = 0
-        for i, outcome in enumerate(outcomes):
-            if outcome.kind == "ok":
-                if outcome.value == granted:
-                    votes.append(self._granted_votes[i])
-                    yes += 1
-                else:
-                    votes.append(self._refused_votes[i])
-            else:
-                votes.append(Vote(self.masters[i].name, outcome.kind, outcome.detail))
-        return votes, yes
 
     def try_acquire(
         self,
@@ -333,6 +307,7 @@ class Redlock:
         acquires: Sequence[Command] | None = None,
         retraction: Command | None = None,
         seen: list[Outcome] | None = None,
+        undo: Command | None = None,
     ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
@@ -343,7 +318,10 @@ class Redlock:
 
         A kind of lock that sends more than (key, token, ttl) packs its own commands: one per
         master in ``acquires`` and the ``retraction`` of a failed attempt; ``seen`` receives
-        every master's outcome (fair.py reads its queue from them).
+        every master's outcome (fair.py reads its queue from them). A kind whose grant replaced
+        a value that a failed attempt must put back sends ``undo`` to a failed attempt's masters
+        instead (markers.HandoverLock); the late masters of a granted attempt are still sent the
+        ``retraction``.
         """
         # Taken before the round makes any missing connection: all of the round, connects
         # included, is spent out of the TTL (and Lock counts its validity from earlier still).
@@ -354,11 +332,11 @@ class Redlock:
             outcomes = rnd.call(acquires, self.request_timeout)
             elapsed = now() - t_start
             if outcomes.count(GRANTED) == len(outcomes):  # the usual rounds: compared by identity
-                votes, granted = list(self._granted_votes), len(outcomes)
+                votes, granted = list(self.tally.granted), len(outcomes)
             elif outcomes.count(HELD) == len(outcomes):
-                votes, granted = list(self._refused_votes), 0
+                votes, granted = list(self.tally.refused), 0
             else:
-                votes, granted = self._votes(outcomes, granted=b"OK")
+                votes, granted = self.tally.votes(outcomes, is_ok)
             validity = ttl - elapsed - self.drift(ttl)
             if expiry is not None:
                 expiry.append(self._free_at(outcomes, t_start + elapsed))
@@ -368,15 +346,11 @@ class Redlock:
                 if granted < len(votes):
                     # A master that answered late may still set the key; retract it on the same
                     # link (not waited for) so the key cannot outlive our release.
-                    release = retraction or commands.release.pack(key, token)
-                    late = [release if v.kind == "timeout" else None for v in votes]
+                    late = to_late(votes, retraction or commands.release.pack(key, token))
                     if any(late):
                         rnd.send(late, self.request_timeout)
                 return validity, votes, elapsed
-            release = retraction or commands.release.pack(key, token)
-            # A master that answered "held" refused our SET: nothing of ours is there to delete.
-            # Every other one (yes, error, timeout) may hold our token and gets the release.
-            retract = [None if v.kind == "held" else release for v in votes]
+            retract = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
             if any(retract):
                 rnd.send(retract, self.request_timeout)
         return min(validity, 0.0), votes, elapsed
@@ -414,7 +388,7 @@ class Redlock:
         self, outcomes: Sequence[Outcome], ttl: float, elapsed: float
     ) -> tuple[float, list[Vote], float]:
         """An extension's (validity, votes, elapsed) from every master's outcome of it."""
-        votes, granted = self._votes(outcomes)
+        votes, granted = self.tally.votes(outcomes, is_one)
         validity = ttl - elapsed - self.drift(ttl)
         return (validity if granted >= self.quorum else 0.0), votes, elapsed
 
@@ -471,23 +445,43 @@ class Redlock:
         key: str,
         token: str,
         *,
-        linger: bool = True,
         commands: Commands = PLAIN,
         command: Command | None = None,
-    ) -> None:
-        """Send the compare-and-delete to every master, without waiting for the replies.
+    ) -> bool:
+        """Compare-and-delete ``key`` for ``token`` on every master, and wait for the replies
+        (within ``request_timeout``); True when a quorum answered, so that the lock is no longer
+        ours on a quorum. ``command``, if given, is sent instead of ``commands``' release (a fair
+        lock's).
 
-        Each master applies it as it arrives, before anything this process sends it later on
-        that connection; the acknowledgements are read by the connection's next use. Waiting
-        would only tell us what expiry makes true anyway, at the price of a round trip. With
-        ``release_linger`` set (and ``linger``), it waits to travel with the next round.
-        ``command``, if given, is sent instead of ``commands``' release (a fair lock's).
+        INVARIANT (release-then-acquire): when this returns True, an acquire that any client
+        starts afterwards finds no key of ``token`` on a quorum, so it is not refused by this lock.
+        A master that answers 0 no longer had the key (expired, or another token's): that is a
+        release that took effect there too. False means fewer than a quorum answered; the TTL
+        still bounds the lock.
         """
         if command is None:
             command = commands.release.pack(key, token)
-        if linger and self._lingering is not None:
-            self._lingering.add(command)
-            return
+        with self._round() as rnd:
+            # Kept for a master that could not be written to: it goes out on that master's next
+            # link, so the key does not outlive the release there until its TTL.
+            outcomes = rnd.call(
+                [command] * len(self.masters), self.request_timeout, keep=True, enough=self.quorum
+            )
+        return sum(1 for o in outcomes if o.kind == "ok") >= self.quorum
+
+    def send_release(
+        self,
+        key: str,
+        token: str,
+        *,
+        commands: Commands = PLAIN,
+        command: Command | None = None,
+    ) -> None:
+        """:meth:`release_key` without waiting for the replies: each master applies it as it
+        arrives, and the connection's next use reads the acknowledgement. For a retraction and
+        for :meth:`Lock.release_without_waiting`, never for a release someone may observe."""
+        if command is None:
+            command = commands.release.pack(key, token)
         with self._round() as rnd:
             rnd.send([command] * len(self.masters), self.request_timeout)
 
@@ -544,37 +538,24 @@ def _min_ttl(request_timeout: float, drift_factor: float) -> float:
     return math.ceil(raw * 1000 - 1e-9) / 1000
 
 
-def _send(
-    masters: Sequence[Master], sets: list[LinkSet], timeout: float, commands: Sequence[Command]
-) -> None:
-    """Send ``commands`` (lingering releases) to every master in a round of their own."""
-    with Round(masters, commands, sets) as rnd:
-        rnd.send([None] * len(masters), timeout)
+def _transport(name: str, masters: Sequence[Master]) -> Transport:
+    if name == "redis-py":
+        from .transport.reference import ReferenceTransport
+
+        return ReferenceTransport(masters)
+    return FastTransport(masters)
 
 
-def _close(
-    lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet], subscriber: Subscriber
-) -> None:
-    if lingering is not None:
-        lingering.close()
+def _close(masters: Sequence[Master], transport: Transport, subscriber: Subscriber) -> None:
     subscriber.close()
-    for master in masters:
+    for master in masters:  # their idle links (the fast transport's rounds use them too)
         master.close()
-    while sets:
-        try:
-            linkset = sets.pop()
-        except IndexError:
-            break  # another thread's round took the last one
-        if linkset.pid == pid():  # a parent's sets are the parent's to close
-            for link in linkset.links:
-                link.close()
+    transport.close()
 
 
-def _close_quietly(
-    lingering: Lingering | None, masters: Sequence[Master], sets: list[LinkSet], subscriber: Subscriber
-) -> None:
+def _close_quietly(masters: Sequence[Master], transport: Transport, subscriber: Subscriber) -> None:
     """:func:`_close` for a Redlock being collected: nobody is there to hear of a failure."""
     try:
-        _close(lingering, masters, sets, subscriber)
+        _close(masters, transport, subscriber)
     except Exception:
         logger.warning("closing a dropped Redlock failed", exc_info=True)

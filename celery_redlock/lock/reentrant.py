@@ -34,11 +34,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .._fork import on_fork_in_child
-from ..errors import LockLost, LockNotAcquired, Vote
+from ..errors import LockLost, LockNotAcquired
 from .clock import now
 from .commands import ENTER, EXIT, REENTRANT, milliseconds
 from .owner import current_owner
-from .resource import Lock, raise_on_kind
+from .resource import Lock, check_wait, raise_on_kind
+from .tally import is_positive
 
 if TYPE_CHECKING:
     from .redlock import Redlock
@@ -146,6 +147,7 @@ class ReentrantLock:
         """Acquire for the asking owner, or enter again if it holds the lock already (then
         without blocking: one round). :class:`LockLost` if it held the lock and lost it; an
         unacquired lock waits as :meth:`Lock.acquire` does."""
+        check_wait(blocking, timeout)  # a re-entry does not wait, but takes no bad argument either
         ident = self._id()
         with _registry_mutex:
             found = _registry.get(ident)
@@ -174,16 +176,7 @@ class ReentrantLock:
             with redlock._round() as rnd:
                 outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)
                 elapsed = now() - started
-            votes = []
-            yes = 0
-            for master, outcome in zip(redlock.masters, outcomes, strict=True):
-                if outcome.kind == "ok" and isinstance(outcome.value, int) and outcome.value >= 1:
-                    votes.append(Vote(master.name, "yes"))
-                    yes += 1
-                elif outcome.kind == "ok":
-                    votes.append(Vote(master.name, "held"))
-                else:
-                    votes.append(Vote(master.name, outcome.kind, outcome.detail))
+            votes, yes = redlock.tally.votes(outcomes, is_positive)  # the new depth on a master
             raise_on_kind(self.name, votes)
             validity = inner.ttl - elapsed - redlock.drift(inner.ttl) if yes >= redlock.quorum else 0.0
             inner._settle_extension(token, started, inner.ttl, validity, votes)
@@ -191,29 +184,31 @@ class ReentrantLock:
                 raise LockLost(self.name, inner.lost_reason or "validity ran out during the re-entry")
             found.depth += 1
 
-    def release(self, *, linger: bool = True) -> None:
-        """Undo the asking owner's latest acquisition; the last one frees the lock. Does nothing
-        for an owner that holds nothing (as :meth:`Lock.release`)."""
+    def release(self) -> bool:
+        """Undo the asking owner's latest acquisition; the last one frees the lock, waiting for
+        the replies as :meth:`Lock.release` does (and answering as it does). Does nothing for an
+        owner that holds nothing."""
         ident = self._id()
         with _registry_mutex:
             found = _registry.get(ident)
             if found is None:
-                return
+                return True
             found.depth -= 1
             last = found.depth <= 0
             if last:
                 del _registry[ident]
         inner = found.inner
         if last:
-            inner.release(linger=linger)
-            return
+            return inner.release()
         token = inner.token
         if token is not None:
-            # Not waited for, as a release is not: the mirror count on the masters drops by one.
+            # An inner exit frees nothing, so nobody waits on it: the mirror count on the masters
+            # drops by one, its reply read by the link's next use.
             with self.redlock._round() as rnd:
                 rnd.send(
                     [EXIT.pack(self.key, token)] * len(self.redlock.masters), self.redlock.request_timeout
                 )
+        return True
 
     def extend(self, ttl: float | None = None) -> bool:
         inner = self.holding()

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .._fork import on_fork_in_child, pid
-from .._validate import wait_timeout
+from .._validate import flag, wait_timeout
 from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, NotFenced, RedlockError, Vote
 from .clock import now
 from .commands import PLAIN, PLAIN_WAITING, Commands
@@ -27,9 +27,9 @@ from .holder import describe_holder
 
 if TYPE_CHECKING:
     from .fair import Entry
-    from .masters import Command
     from .redlock import Redlock
     from .subscriber import Waiter
+    from .transport.commands import Command
 
 logger = logging.getLogger("celery_redlock.redlock")
 
@@ -79,6 +79,18 @@ def raise_on_kind(name: str, votes: list[Vote]) -> None:
                 f"lock {name!r}: {vote.detail.partition(KIND_ERROR)[2].strip()} on {', '.join(mixed)}; "
                 "a name must be used either reentrant=True everywhere or nowhere"
             )
+
+
+def check_wait(blocking: object, timeout: object) -> float | None:
+    """``acquire``'s ``timeout`` as seconds (None: retry_count tries), else a :class:`ConfigError`
+    naming the argument: a ``blocking`` that is not a bool (``"no"`` is true, and would wait)."""
+    if blocking is not True and blocking is not False:
+        flag("blocking", blocking)
+    if timeout is None:
+        return None
+    if not blocking:
+        raise ConfigError("timeout cannot be given with blocking=False")
+    return wait_timeout("timeout", timeout)
 
 
 def _nap(until: float, cancelled: Callable[[], bool] | None) -> bool:
@@ -142,7 +154,7 @@ class Lock:
         self.ttl = redlock.ttl if ttl is None else redlock.check_ttl("ttl", ttl)
         # Checked now, not at the first ``with``, so a bad value fails where it was written.
         self._timeout = None if timeout is None else wait_timeout("timeout", timeout)
-        self._blocking = blocking
+        self._blocking = flag("blocking", blocking)
         if not isinstance(holder, str) or "\n" in holder or "\r" in holder:
             raise ConfigError(f"holder must be a str without line breaks, got {holder!r}")
         # Appended to every token of this lock: the token stays unique per acquisition (its
@@ -152,6 +164,9 @@ class Lock:
         self._owner = 0  # the pid of the process that acquired the token (see _fork.pid)
         self._valid_until = 0.0
         self._lost_reason = ""
+        # Kept by a heartbeat: how long after an extension's start the lock still counts as
+        # owned without another (see Heartbeat.keep); None when not kept.
+        self._beat: float | None = None
         self._op = threading.Lock()
         self._op_pid = pid()  # the process _op was made in
         self.last_votes: list[Vote] = []
@@ -244,16 +259,13 @@ class Lock:
         ``cancelled``, if given, is asked at every wake-up of a wait (at least every 0.5 s);
         when it returns True the call gives up and returns False.
         """
-        if timeout is not None:
-            if not blocking:
-                raise ConfigError("timeout cannot be given with blocking=False")
-            timeout = wait_timeout("timeout", timeout)
+        if timeout is not None or (blocking is not True and blocking is not False):
+            timeout = check_wait(blocking, timeout)
         if self.owned():
             raise RedlockError(f"lock {self.name!r} is already held by this Lock")
         redlock = self.redlock
         deadline = None if timeout is None else now() + timeout
         attempts = 0
-        mutex = self._mutex()
         # Set once this call waits in a room of the Redlock's subscriber (see _wait).
         waiter: Waiter | None = None
         expiry: list[float] = []  # when a waiting attempt found a quorum could be free
@@ -264,70 +276,98 @@ class Lock:
                 attempts += 1
                 if waiter is not None:
                     redlock._subscriber.mark(self.key, waiter)
-                # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
-                token = os.urandom(20).hex() + self._holder_suffix
-                with mutex:
-                    started = now()
-                    validity, votes, elapsed = self._attempt(token, waiter is not None, expiry, entry)
-                    self.last_votes = votes
-                    if validity > 0:
-                        # Anchored before the round, never when its result is looked at: a
-                        # holder stalled in between (a long GC, a SIGSTOP) must not come back
-                        # believing it holds what the masters already let expire. So True here
-                        # implies owned(). One more clock read (81 ns, no system call).
-                        valid_until = started + self.ttl - redlock.drift(self.ttl)
-                        validity = valid_until - now()
-                        if validity > 0:
-                            self._token = token
-                            self._owner = pid()
-                            self._valid_until = valid_until
-                            self._lost_reason = ""
-                            self._failure = self._last_error = None
-                            acquired = True
-                            self.last_attempts = attempts
-                            if entry is not None:
-                                self._granted(entry)
-                            logger.debug(
-                                "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
-                            )
-                            return True
-                        # Granted, but run out before it was looked at: a failed attempt, and so
-                        # released like one.
-                        redlock.release_key(
-                            self.key, token, commands=self._commands, command=self._retraction(token, entry)
-                        )
-                self._refused(votes)
-                # Built only when asked for: a contended loop fails far more often than it looks.
-                self._failure = (votes, attempts, elapsed, validity)
-                self.last_attempts = attempts
-                self._last_error = None
+                votes = self._take(attempts, waiter is not None, expiry, entry)
+                if votes is None:
+                    acquired = True
+                    return True
                 if not blocking:
                     return False
-                if deadline is None:
-                    if attempts > redlock.retry_count:
-                        return False
-                    time.sleep(random.uniform(0, redlock.retry_delay))
-                    continue
-                if deadline - now() <= 0 or (cancelled is not None and cancelled()):
-                    return False
-                if redlock.wait == "poll":
-                    if not _nap(min(deadline, now() + random.uniform(0, redlock.retry_delay)), cancelled):
-                        return False
-                elif waiter is None:
-                    # The first refusal: join the key's room, then try again at once (the holder
-                    # may have released while we subscribed; its notice would predate our mark).
-                    waiter = redlock._subscriber.join(
-                        self.key,
-                        min(deadline, now() + redlock.request_timeout),
-                        None if entry is None else entry.member,
-                    )
-                elif not self._wait(waiter, votes, deadline, expiry[0] if expiry else math.inf, cancelled):
+                go_on, waiter = self._pause(attempts, deadline, cancelled, waiter, votes, expiry, entry)
+                if not go_on:
                     return False
         finally:
             if waiter is not None:
                 redlock._subscriber.leave(self.key, waiter)
             if entry is not None and not acquired:
                 self._leave(entry)
+
+    def _pause(
+        self,
+        attempts: int,
+        deadline: float | None,
+        cancelled: Callable[[], bool] | None,
+        waiter: Waiter | None,
+        votes: list[Vote],
+        expiry: list[float],
+        entry: Entry | None,
+    ) -> tuple[bool, Waiter | None]:
+        """After a refused attempt of a blocking call: whether to try again (once this returns),
+        and the room of the Redlock's subscriber this call waits in from now on."""
+        redlock = self.redlock
+        if deadline is None:
+            # No timeout: retried a fixed number of times, after a random delay each.
+            if attempts > redlock.retry_count:
+                return False, waiter
+            time.sleep(random.uniform(0, redlock.retry_delay))
+            return True, waiter
+        if deadline - now() <= 0 or (cancelled is not None and cancelled()):
+            return False, waiter
+        if redlock.wait == "poll":
+            # A fair waiter that has just learned its ticket joins at once: a nap here would let
+            # a later arrival join first (see fair.py, arrival order).
+            if entry is not None and self._joins_next(entry):
+                return True, waiter
+            return _nap(min(deadline, now() + random.uniform(0, redlock.retry_delay)), cancelled), waiter
+        if waiter is None:
+            # The first refusal: join the key's room, then try again at once (the holder may
+            # have released while we subscribed; its notice would predate our mark).
+            room = min(deadline, now() + redlock.request_timeout)
+            return True, redlock._subscriber.join(self.key, room, None if entry is None else entry.member)
+        return self._wait(waiter, votes, deadline, expiry[0] if expiry else math.inf, cancelled), waiter
+
+    def _take(
+        self, attempts: int, waiting: bool, expiry: list[float], entry: Entry | None
+    ) -> list[Vote] | None:
+        """One attempt with a new token: None once held, else the votes that refused it (kept,
+        with the attempt's figures, for :attr:`last_error`)."""
+        redlock = self.redlock
+        # 20 bytes from the operating system's CSPRNG (what the secrets module reads too).
+        token = os.urandom(20).hex() + self._holder_suffix
+        with self._mutex():
+            started = now()
+            validity, votes, elapsed = self._attempt(token, waiting, expiry, entry)
+            self.last_votes = votes
+            if validity > 0:
+                # Anchored before the round, never when its result is looked at: a holder
+                # stalled in between (a long GC, a SIGSTOP) must not come back believing it
+                # holds what the masters already let expire. So True here implies owned().
+                # One more clock read (81 ns, no system call).
+                valid_until = started + self.ttl - redlock.drift(self.ttl)
+                validity = valid_until - now()
+                if validity > 0:
+                    self._token = token
+                    self._owner = pid()
+                    self._valid_until = valid_until
+                    self._lost_reason = ""
+                    self._failure = self._last_error = None
+                    self.last_attempts = attempts
+                    if entry is not None:
+                        self._granted(entry)
+                    logger.debug(
+                        "acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity
+                    )
+                    return None
+                # Granted, but run out before it was looked at: a failed attempt, and so
+                # retracted like one (nobody has seen it held: no reply is waited for).
+                redlock.send_release(
+                    self.key, token, commands=self._commands, command=self._retraction(token, entry)
+                )
+        self._refused(votes)
+        # Built only when asked for: a contended loop fails far more often than it looks.
+        self._failure = (votes, attempts, elapsed, validity)
+        self.last_attempts = attempts
+        self._last_error = None
+        return votes
 
     # -- what a kind of lock does differently (plain here; see fair.py) -------------------------
     def _entry(self) -> Entry | None:
@@ -350,6 +390,10 @@ class Lock:
 
     def _granted(self, entry: Entry) -> None:
         """Called holding the mutex once ``entry``'s call acquired the lock."""
+
+    def _joins_next(self, entry: Entry) -> bool:
+        """Whether ``entry``'s next attempt must follow at once (a fair waiter's join)."""
+        return False
 
     def _leave(self, entry: Entry) -> None:
         """Called when ``entry``'s call ends without the lock."""
@@ -429,6 +473,22 @@ class Lock:
         subclass that keeps something beside the lock (a leader record) refreshes it here, so
         the heartbeat's batched extensions cannot skip it."""
 
+    def _keep_alive(self, beat: float | None) -> None:
+        """Kept by a heartbeat from now (``beat``: see ``_beat``), or no longer (None)."""
+        with self._mutex():
+            self._beat = beat
+            if beat is not None:
+                self._valid_until = min(self._valid_until, now() + beat)
+
+    def _give_up(self, reason: str) -> None:
+        """Count the lock as lost from now on (``ensure()`` raises ``LockLost(reason)``) though
+        its key may still be on the masters: for a holder that will not be extended again (its
+        max hold reached), so its body is told before the key can expire under it. The token
+        is kept: :meth:`release` still deletes the key."""
+        with self._mutex():
+            if self._token is not None and not self._lost_reason:
+                self._lost_reason = reason
+
     def _extendable(self) -> str | None:
         """The token to extend, or None when there is nothing to extend (call holding the mutex;
         :meth:`Redlock.extend_many` asks the same)."""
@@ -452,6 +512,8 @@ class Lock:
         # paused master resumes). PEXPIRE replaces the TTL, so a shorter one ends the keys
         # sooner than the validity we had, granted or not.
         limit = started + ttl - self.redlock.drift(ttl)
+        if self._beat is not None:
+            limit = min(limit, started + self._beat)  # see _beat
         if validity > 0 and self._token == token and limit > now():
             self._valid_until = limit
             return True
@@ -462,27 +524,40 @@ class Lock:
         logger.debug("extension of %s failed: %s", self.key, "; ".join(map(str, votes)))
         return False
 
-    def release(self, *, linger: bool = True) -> None:
-        """Release on every master. Releasing a lock not held (or already gone) does nothing.
+    def release(self) -> bool:
+        """Release on every master, and return once a quorum has answered (or after
+        ``request_timeout``). Releasing a lock not held (or already gone) does nothing.
 
-        Returns once the release is on its way to every reachable master (see
-        :meth:`Redlock.release_key`); it does not wait a round trip for the acknowledgements.
-        If the Redlock has a ``release_linger``, the release may wait that long for company;
-        ``linger=False`` sends it at once.
+        True when the release took effect on a quorum: an acquire that anyone starts after this
+        returned is not refused by this lock. False when fewer masters answered in time (the
+        lock is no longer ours either way, and its TTL bounds what is left on the masters).
         """
+        return self._release(wait=True)
+
+    def release_without_waiting(self) -> None:
+        """Send the release and return without reading the replies: a contender that starts
+        right after this may still find the lock held for a moment. For code that never hands
+        the resource on (a process about to exit); :meth:`release` is what ``with`` uses."""
+        self._release(wait=False)
+
+    def _release(self, *, wait: bool) -> bool:
         with self._mutex():
             if self._owner != pid():
                 # Not acquired, or a forked child's copy of its parent's lock: that lock is the
                 # parent's, and nothing of it is sent from here. The copy forgets the token, so
                 # it can be acquired anew as the child's own.
                 self._token = None
-                return
+                return True
             token, self._token = self._token, None
             self._valid_until = 0.0
             self._lost_reason = ""
             command = self._release_command(token) if token is not None else None
-        if token is not None:
-            self.redlock.release_key(self.key, token, linger=linger, commands=self._commands, command=command)
+        if token is None:
+            return True
+        if not wait:
+            self.redlock.send_release(self.key, token, commands=self._commands, command=command)
+            return True
+        return self.redlock.release_key(self.key, token, commands=self._commands, command=command)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still owned."""

@@ -1,9 +1,18 @@
 """Every Lua script celery-redlock sends, in one place (acquire is a plain SET; see below).
 
-User data only ever travels in KEYS and ARGV. Scripts are sent whole, with EVAL: the server finds
-its compiled copy by digest, which measured no slower per call than EVALSHA (2.5-3 us either
-way), and a script can never be missing, so a release sent without waiting for its reply cannot
-fail with NOSCRIPT after a ``SCRIPT FLUSH``.
+User data only ever travels in KEYS and ARGV. **One policy for every script: by digest, the
+source only where it is missing.** Each script command is built by
+``transport.commands.script_template`` as ``EVALSHA <sha1> ...``: 40 bytes instead of the source
+(a release 137 bytes instead of 239, a fair acquire 411 instead of 1987; no slower on loopback).
+A master that answers NOSCRIPT ran nothing (restarted, ``SCRIPT FLUSH``): the transport, not the
+caller, sends it the ``EVAL`` form of the same command (found through the registry below) on the
+same link by the same deadline; the caller sees only the script's reply.
+
+A reply nobody waits for (a release whose quorum answered, a retraction) cannot be resent by the
+fast transport once it reads it later: a NOSCRIPT there is a release that did not happen (the key
+lives out its TTL), logged at WARNING naming the master. So every new link loads every script
+(``SCRIPT LOAD``, in its handshake's one write): only a ``SCRIPT FLUSH`` under a live link opens
+that gap, until each script's next EVAL there.
 """
 
 from __future__ import annotations
@@ -11,22 +20,37 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+# Every script by its digest (hex), as Script registers itself: how a transport turns an
+# EVALSHA a master answered NOSCRIPT into the EVAL of the same script (see the module docstring).
+_BY_DIGEST: dict[str, Script] = {}
+
 
 @dataclass(frozen=True)
 class Script:
     name: str
     source: str
-    # The digest EVALSHA names the script by (see fencing.py: its two rounds send it by digest).
+    # False for a script sent to a data server (the fenced resources), never to a lock master:
+    # a new link to a master loads only the others.
+    on_masters: bool = True
     sha1: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sha1", hashlib.sha1(self.source.encode()).hexdigest())
+        _BY_DIGEST.setdefault(self.sha1, self)
+
+
+def by_digest(sha1: str) -> Script | None:
+    """The registered script whose digest is ``sha1`` (hex), or None."""
+    return _BY_DIGEST.get(sha1)
+
+
+def for_masters() -> list[Script]:
+    """Every registered script a lock master runs, in the order they were defined."""
+    return [script for script in _BY_DIGEST.values() if script.on_masters]
 
 
 # Acquire is not a script: a plain ``SET key token NX PX ttl`` is the cheapest grant a master can
-# give (a script costs each master ~10 us more per try, which a contended loop pays on every
-# attempt). A fenced acquire would replace that one command, built in Redlock.try_acquire, with a
-# script returning {granted, counter}: still one command per master, still one round trip.
+# give (a script costs each master ~10 us more per try, paid on every contended attempt).
 
 # ACQUIRE_WAIT (a waiting acquirer's later attempts; the first stays a plain SET, see above)
 #   KEYS[1]  the lock key
@@ -368,6 +392,7 @@ end
 redis.call('SET', KEYS[2], ARGV[1])
 return {1, redis.call('GET', KEYS[1])}
 """,
+    on_masters=False,
 )
 
 # FENCED_WRITE (write the key under a fence)
@@ -393,6 +418,7 @@ else
 end
 return {1}
 """,
+    on_masters=False,
 )
 
 
@@ -431,30 +457,123 @@ return out
 
 # -- enqueue markers (celery/enqueue) -------------------------------------------------------------
 # A task with ``lock_enqueue`` takes its lock key when it is published, as a *marker*: a plain lock
-# value (``<token>|<holder>``, the holder naming the queued task) set by the usual ``SET NX PX``.
-# The message carries the marker's value; its run takes the key over with HANDOVER, and a run that
+# value (``<token>|<holder>``, the holder naming the queued task) set with PLACE. The message
+# carries the marker's value; its run takes the key over with HANDOVER, and a run that
 # re-published itself (``self.retry()``) gives the key back to the new message's marker with
 # REQUEUE. Each swaps one holder's value for the other's in one step on each master: there is no
 # moment at which a master holds neither (no gap), and a run is never refused by its own marker.
+#
+# A marker belongs to the task that placed it. When another task (or any other holder) has the
+# lock key, a publish sets its marker *beside* it, on a key of its own task (BESIDE; the "side
+# key", see markers.side_key): it is deduplicated against that, and its run waits for the lock
+# key as any contender does, and takes it with HANDOVER, which deletes the side marker in the
+# same step (an attempt no quorum granted puts it back: HANDOVER_RETRACT). On each master a
+# task's marker is on the lock key or on its side key, never both: PLACE refuses while the side
+# key is set, and BESIDE only sets it while the lock key holds the very value of another holder
+# its publisher read.
+
+# PLACE (a publish takes the lock key as its marker, unless its task already waits beside it)
+#   KEYS[1]  the lock key
+#   KEYS[2]  the publishing task's side key
+#   ARGV[1]  the marker's value
+#   ARGV[2]  the ttl in milliseconds
+#   returns  +OK if neither key was set and the lock key now holds ARGV[1] with the ttl; else
+#            {1, the side key's value} (the task's own marker waits beside the key); else
+#            {2, the lock key's value} ('' when it is not a string: a reentrant lock's hash)
+PLACE = Script(
+    "place",
+    """
+local beside = redis.call('GET', KEYS[2])
+if beside then
+    return {1, beside}
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return redis.status_reply('OK')
+end
+if redis.call('TYPE', KEYS[1]).ok ~= 'string' then
+    return {2, ''}
+end
+return {2, redis.call('GET', KEYS[1])}
+""",
+)
+
+# BESIDE (a publish sets its marker on its task's side key: another holder has the lock key)
+#   KEYS[1]  the publishing task's side key
+#   KEYS[2]  the lock key
+#   ARGV[1]  the marker's value
+#   ARGV[2]  the ttl in milliseconds
+#   ARGV[3]  the lock key's value the publisher read (PLACE's answer: another task's, or '')
+#   returns  +OK if the side key was free and now holds ARGV[1] with the ttl; {1, the side key's
+#            value} if the task's own marker is there; 0 if the lock key no longer holds ARGV[3]
+#            (freed, or taken by someone else since: the publisher starts over with PLACE)
+# Compared on the whole value: had the lock key become this task's own marker or run since it was
+# read, the side key would be refused, so the task never has two markers queued.
+BESIDE = Script(
+    "beside",
+    """
+local beside = redis.call('GET', KEYS[1])
+if beside then
+    return {1, beside}
+end
+local kind = redis.call('TYPE', KEYS[2]).ok
+if kind == 'none' or (kind == 'string' and redis.call('GET', KEYS[2]) ~= ARGV[3]) then
+    return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return redis.status_reply('OK')
+""",
+)
 
 # HANDOVER (a run takes its key: free, or held by the marker its own message carries)
 #   KEYS[1]  the lock key
+#   KEYS[2]  (optional) the task's side key, where its marker waits when it was set beside
 #   ARGV[1]  the run's token (the value it holds the key by from now on)
 #   ARGV[2]  the ttl in milliseconds
 #   ARGV[3]  the marker's value, as the message carries it
 #   returns  +OK if the key was absent or held ARGV[3], and now holds ARGV[1] with the ttl (as
-#            SET NX PX answers); else the key's PTTL, as ACQUIRE_WAIT answers a refusal
+#            SET NX PX answers), the side key's ARGV[3] deleted in the same step; else the key's
+#            PTTL, as ACQUIRE_WAIT answers a refusal
 # Compared on the marker's whole value, never on the task id: a redelivered copy of a message
 # whose run already took the key over finds the run's token there, and waits like any contender.
 HANDOVER = Script(
     "handover",
     """
-local held = redis.call('GET', KEYS[1])
+local held = redis.pcall('GET', KEYS[1])  -- a reentrant lock's hash: an error value, refused
 if held == false or held == ARGV[3] then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    if KEYS[2] and redis.call('GET', KEYS[2]) == ARGV[3] then
+        redis.call('DEL', KEYS[2])
+    end
     return redis.status_reply('OK')
 end
 return redis.call('PTTL', KEYS[1])
+""",
+)
+
+# HANDOVER_RETRACT (a failed HANDOVER attempt gives its marker back, see markers.HandoverLock)
+#   KEYS[1]  the lock key
+#   KEYS[2]  the task's side key
+#   ARGV[1]  the attempt's token
+#   ARGV[2]  the marker's value
+#   ARGV[3]  the marker's ttl left in milliseconds (0: it is over, nothing is put back)
+#   returns  1 if the key held ARGV[1] (deleted, and the marker set beside it unless the side key
+#            is taken), else 0 (the attempt did not take the key here: nothing to give back)
+# An attempt that took the key on a minority of masters replaced the marker there (on the lock key,
+# or beside it: HANDOVER deleted it); a plain release would leave the message unmarked on those
+# masters, and a few such attempts leave no quorum marked, so a duplicate publish is accepted. The
+# marker goes back beside the key, wherever it was: there it answers its task's publishes as
+# before, and blocks no other holder's lock should its run never come back for it.
+HANDOVER_RETRACT = Script(
+    "handover_retract",
+    """
+if redis.pcall('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+end
+redis.call('DEL', KEYS[1])
+if tonumber(ARGV[3]) > 0 then
+    redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3], 'NX')
+end
+return 1
 """,
 )
 

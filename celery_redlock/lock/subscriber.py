@@ -41,7 +41,9 @@ from typing import Any
 
 from .._fork import on_fork_in_child
 from . import waiting, wire
-from .masters import Link, Master, _submit
+from .transport.link import Link
+from .transport.master import Master
+from .transport.threads import spawn
 
 logger = logging.getLogger("celery_redlock.subscriber")
 
@@ -326,7 +328,7 @@ class Subscriber:
                 return
             # On a connector thread: a connect never holds up the reading of the other links.
             master = listener.master
-            listener.connecting = _submit(master._open, now + self._request_timeout)
+            listener.connecting = spawn(master._open, now + self._request_timeout, False)  # runs no script
             if listener.connecting is not None:
                 listener.connecting.add_done_callback(lambda _: self._wake())
             return
@@ -423,27 +425,31 @@ class Subscriber:
                 listener.retry_at = time.monotonic() + SILENT_RETRY
             return
         kind = push[0]
-        i = listener.index
         if kind == b"message" and len(push) == 3:
-            room = self._rooms.get(push[1])
-            if room is None:
-                return
-            named = push[2] if push[2] != b"*" else None  # a fair release names the new head
-            for waiter in room.waiters:  # the earliest that can use it, only
-                if named is not None and waiter.member is not None and waiter.member != named:
-                    continue
-                if i not in waiter.credits and (waiter.refusers is None or i in waiter.refusers):
-                    waiter.credits.add(i)
-                    return
+            self._notice(listener.index, push[1], push[2])
         elif kind == b"subscribe" and len(push) == 3:
             room = self._rooms.get(push[1])
             if room is not None:
-                room.confirmed.add(i)
+                room.confirmed.add(listener.index)
                 # Whatever happened before this master listened is unknown: a notice to all.
                 for waiter in room.waiters:
-                    waiter.credits.add(i)
+                    waiter.credits.add(listener.index)
         elif kind == b"pong":
             listener.ping_sent = 0.0
+
+    def _notice(self, i: int, channel: bytes, payload: bytes) -> None:
+        """A release notice from master i on ``channel``: one credit to the earliest waiter of
+        its room that can use it, only (call holding the condition)."""
+        room = self._rooms.get(channel)
+        if room is None:
+            return
+        named = payload if payload != b"*" else None  # a fair release names the new head
+        for waiter in room.waiters:
+            if named is not None and waiter.member is not None and waiter.member != named:
+                continue
+            if i not in waiter.credits and (waiter.refusers is None or i in waiter.refusers):
+                waiter.credits.add(i)
+                return
 
 
 def _close_result(future: Future[Link]) -> None:

@@ -5,13 +5,14 @@ Configured from the environment by the fixtures in ``conftest.py``:
 - ``BEAT_TEST_BROKER``: the broker (a RedisServer of its own, never a lock master);
   results go to db 1 of the same server, records to db 2.
 - ``BEAT_TEST_MASTERS``: the lock masters, comma-separated.
-- ``BEAT_TEST_SCHEDULE``: JSON ``{name: {"task": ..., "every": seconds, "args": [...]}}``.
+- ``BEAT_TEST_SCHEDULE``: JSON ``{name: {"task": ..., "every": seconds, "args": [...]}}``; an
+  entry with ``"crontab": {field: value}`` instead of ``"every"`` runs on that crontab.
 - ``BEAT_TEST_CONF``: JSON of extra settings (``redlock_beat_*``, ``beat_scheduler``).
 - ``BEAT_TEST_RECORD``: set in beat processes; each message they publish is recorded in
   ``<key>:sent`` (key = the task's first argument) with the publishing pid and time.
 
-Workers record each run of a task body in ``<key>:runs`` and each finished message (run or
-skipped) in ``<key>:done``.
+Workers record each run of a task body in ``<key>:runs`` (``stamped`` with the slot stamp the
+message carried) and each finished message (run or skipped) in ``<key>:done``.
 """
 
 from __future__ import annotations
@@ -23,12 +24,19 @@ from typing import Any
 
 import redis
 from celery import Celery
+from celery.schedules import crontab
 from celery.signals import before_task_publish, task_postrun
 
+from celery_redlock.celery.slots import SLOT_HEADER
 from celery_redlock.celery.task import RedlockTask, is_skipped
 
 BROKER = os.environ.get("BEAT_TEST_BROKER", "redis://127.0.0.1:1/0")
 _base = BROKER.rsplit("/", 1)[0]
+
+
+def _schedule(spec: dict[str, Any]) -> Any:
+    return crontab(**spec["crontab"]) if "crontab" in spec else float(spec["every"])
+
 
 app = Celery("beattests")
 app.conf.update(
@@ -38,7 +46,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     worker_prefetch_multiplier=1,
     beat_schedule={
-        name: {"task": spec["task"], "schedule": float(spec["every"]), "args": spec.get("args", [])}
+        name: {"task": spec["task"], "schedule": _schedule(spec), "args": spec.get("args", [])}
         for name, spec in json.loads(os.environ.get("BEAT_TEST_SCHEDULE", "{}")).items()
     },
 )
@@ -62,6 +70,13 @@ def _push(key: str, **fields: Any) -> None:
 @app.task(bind=True)
 def record(self: Any, key: str) -> None:
     _push(f"{key}:runs", id=self.request.id, t=time.time())
+
+
+@app.task(bind=True)
+def stamped(self: Any, key: str) -> None:
+    """Records each run with the slot stamp its message carried: runs of one tick share it."""
+    stamp = getattr(self.request, SLOT_HEADER, None) or (self.request.headers or {}).get(SLOT_HEADER)
+    _push(f"{key}:runs", id=self.request.id, stamp=stamp, t=time.time())
 
 
 @app.task(bind=True, base=RedlockTask, lock_contended="skip", lock_ttl=2.0)

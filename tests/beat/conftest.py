@@ -1,4 +1,6 @@
-"""Fixtures for the beat tests: a broker of their own, one shared worker, beat processes.
+"""Fixtures for the beat tests: a broker of their own, one shared worker, beat processes, and the
+stores of the wrapped schedulers with shared state (a PostgreSQL database for django-celery-beat,
+a Redis for redbeat).
 
 Every test records into keys of its own (a fresh ``key``), so the session-wide worker and
 broker are never flushed under a running process.
@@ -8,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -15,13 +19,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import redis
+from psycopg import sql
 
 from celery_redlock import Redlock
 from celery_redlock.beat import read_leader
 from celery_redlock.testing import RedisServer, ServerSet
 from celery_redlock.testing.celery import CeleryBeat, CeleryWorker
+
+from .django_settings import PG_HOST, PG_PORT, PG_USER, settings_for
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.beat.beatapp"
@@ -54,6 +62,66 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
 def beat_broker() -> Iterator[RedisServer]:
     with RedisServer() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redbeat_redis() -> Iterator[RedisServer]:
+    """redbeat's own Redis: neither a lock master nor the broker."""
+    with RedisServer() as server:
+        yield server
+
+
+def pg_admin() -> psycopg.Connection[Any]:
+    return psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres", autocommit=True, connect_timeout=5
+    )
+
+
+def pg_unreachable() -> str | None:
+    """Why PostgreSQL cannot be used here, or None."""
+    try:
+        socket.create_connection((PG_HOST, PG_PORT), timeout=1.0).close()
+        pg_admin().close()
+    except (OSError, psycopg.Error) as exc:
+        return f"PostgreSQL at {PG_HOST}:{PG_PORT} (user {PG_USER}) not usable: {exc}"
+    return None
+
+
+def pg_required() -> bool:
+    """Whether a PostgreSQL that cannot be used fails the tests that need it (CI) or skips them."""
+    return os.environ.get("CELERY_REDLOCK_REQUIRE_POSTGRES") == "1"
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str]:
+    """A database of this session's own, django-celery-beat migrated into it; dropped after.
+
+    It configures Django in the test process (once per process: every test that edits the
+    schedule through the ORM shares it)."""
+    reason = pg_unreachable()
+    if reason is not None:
+        if pg_required():
+            pytest.fail(f"{reason} (CELERY_REDLOCK_REQUIRE_POSTGRES=1)")
+        pytest.skip(f"{reason} (set CELERY_REDLOCK_REQUIRE_POSTGRES=1 to make this a failure)")
+    import django
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.db import connections
+
+    name = f"celery_redlock_beat_{uuid.uuid4().hex[:12]}"
+    with pg_admin() as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        if settings.configured:
+            pytest.fail("Django is already configured in this process; these tests configure it")
+        settings.configure(**settings_for(name))
+        django.setup()
+        call_command("migrate", "django_celery_beat", verbosity=0)
+        yield name
+    finally:
+        connections.close_all()
+        with pg_admin() as admin:
+            admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
 @pytest.fixture(scope="session")

@@ -38,13 +38,6 @@ TASK = "tests.beat.beatapp.record"
 MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
 
 
-@pytest.fixture(scope="session")
-def redbeat_redis() -> Iterator[RedisServer]:
-    """redbeat's own Redis: neither a lock master nor the broker."""
-    with RedisServer() as server:
-        yield server
-
-
 @pytest.fixture
 def redbeat_conf(redbeat_redis: RedisServer, records: Records) -> dict[str, Any]:
     """Settings of the beats: the README's (redbeat_config.py) over this test's Redis, redbeat's

@@ -114,7 +114,7 @@ def test_leader_stamps_each_aligned_tick_and_the_worker_locks_exactly_that_slot(
         # The boundary the tick was due at: the last multiple of the period before the send.
         assert send["stamp"] == render(math.floor(send["t"] / PERIOD) * PERIOD), send
         assert not done[send["id"]]["skipped"]
-        assert runs[send["id"]]["lock"] == f"tests.beat.stampapp.slotted@{send['stamp']}"
+        assert runs[send["id"]]["lock"] == f"%task:tests.beat.stampapp.slotted@{send['stamp']}"
         assert runs[send["id"]]["stamp"] == send["stamp"]
     stamps = [stamp_of(s) for s in sent]
     assert [b - a for a, b in itertools.pairwise(stamps)] == [PERIOD] * (len(stamps) - 1)
@@ -133,8 +133,9 @@ def test_leader_that_fell_behind_stamps_the_overdue_tick_and_the_next_tick_still
     """The leader cannot tick for 2.6 periods (SIGSTOP; its lock TTL outlasts the pause), then
     catches up as celery does: one late send for the ticks it missed, at once.
 
-    (A *restarted* RedlockScheduler does not catch up over a process-local schedule: it starts as
-    a standby, and following the schedule advances the overdue entry before it takes the lead.)
+    (A *restarted* RedlockScheduler over a process-local schedule starts as a standby and follows
+    the overdue entry without sending it; it sends it, once, on taking the lead, unless a leader's
+    record said it was sent: celery_redlock/celery/catchup.py.)
     """
     conf = {
         "redlock_beat_align_intervals": aligned,
@@ -200,7 +201,7 @@ def test_stamped_and_unstamped_messages_on_a_real_worker(
     ids = [stamped, copy, unstamped_late, unstamped_next, unreadable]
     done = log.wait_done(set(ids))
     locks = {r["id"]: r["lock"] for r in log.runs()}
-    name = "tests.beat.stampapp.slotted@"
+    name = "%task:tests.beat.stampapp.slotted@"
     print(f"\n[stamp] by hand: {[locks.get(i, 'skipped') for i in ids]}")
     assert locks[stamped] == name + "2031-05-06T05:08:09.500000+00:00"  # the stamp, in UTC
     assert done[copy]["skipped"] and copy not in locks

@@ -124,3 +124,36 @@ def wait_until(predicate: Any, timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def contend_while_running(
+    result: Any, urls: list[str], key: str, every: float = 0.1
+) -> tuple[int, float | None]:
+    """Try to take ``key`` every ``every`` seconds until ``result`` is ready: how many attempts
+    were refused, and when (monotonic) a contender got in, or None.
+
+    A run's lock is released before its result can be seen, so a contender may get in after the
+    body ended and before ``result.ready()``; the caller compares the time it got in with the
+    body's recorded end (see :func:`ended_at`): only one that got in before it took a held lock.
+    """
+    import time
+
+    from celery_redlock import Redlock
+
+    attempts = 0
+    with Redlock(urls) as contender:
+        while not result.ready():
+            lock = contender.lock(key, ttl=5)
+            if lock.acquire(blocking=False):
+                got_in = time.clock_gettime(time.CLOCK_MONOTONIC)
+                lock.release()
+                return attempts, got_in
+            attempts += 1
+            time.sleep(every)
+    return attempts, None
+
+
+def ended_at(lockapp: Any, tag: str) -> float:
+    """When the body recording to ``tag`` ended (the ``end`` of its record that has one), on the
+    same monotonic clock as this process (the workers run on this machine)."""
+    return float(next(r["end"] for r in records(lockapp, tag) if "end" in r))

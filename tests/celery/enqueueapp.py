@@ -142,3 +142,73 @@ def step(self: Any, value: int, key: str, record_to: str) -> int:
 def short_marker(self: Any, key: str, seconds: float, record_to: str) -> str:
     """A marker of 1 s: a countdown or ETA longer than that must still keep the key."""
     return _run(self, key, seconds, record_to)
+
+
+# -- tests/celery/test_celery_enqueue_progress.py ---------------------------------------------
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    name="enqueueapp.other",
+    lock_key="enq:<key>",
+    lock_ttl=2.0,
+    lock_enqueue="return_existing",
+)
+def other(self: Any, key: str, seconds: float, record_to: str) -> str:
+    """Another task on ``hold``'s lock key: shares its lock (never runs beside it), not its
+    deduplication (a queued ``hold`` is no answer to a publish of ``other``)."""
+    return _run(self, key, seconds, record_to)
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    name="enqueueapp.skipper",
+    lock_key="enq:<key>",
+    lock_enqueue="raise",
+    lock_contended="skip",
+)
+def skipper(self: Any, key: str, seconds: float, record_to: str) -> str:
+    """Another task on ``hold``'s lock key, skipped when it finds the key held at run time."""
+    return _run(self, key, seconds, record_to)
+
+
+@app.task(
+    bind=True,
+    base=RedlockTask,
+    name="enqueueapp.queued_retry",
+    lock_key="enq:<key>",
+    lock_enqueue="raise",
+)
+def queued_retry(self: Any, key: str, seconds: float, record_to: str) -> None:
+    """Works ``seconds``, re-publishes itself (``retry(throw=False)``: the copy is queued while
+    this run goes on holding the key), works ``seconds`` more, and ends: its key is then handed
+    to the copy's marker. The copy does nothing. Its name contains "queued", as a marker's
+    holder record does."""
+    if self.request.retries:
+        return
+    record(record_to, event="start", key=key, task_id=self.request.id)
+    time.sleep(seconds)
+    self.retry(countdown=0, throw=False)
+    time.sleep(seconds)
+    record(record_to, event="end", key=key, task_id=self.request.id)
+
+
+# A publisher that stops between taking its marker and handing the message to the broker: with
+# ENQUEUEAPP_BLOCK_PUBLISH set to a directory, every publish writes "<dir>/ready" (its pid) in
+# ``before_task_publish`` (sent after the marker is placed, before the broker sees the message)
+# and then waits for "<dir>/go", which the test never writes: it kills the process there.
+_BLOCK = os.environ.get("ENQUEUEAPP_BLOCK_PUBLISH")
+if _BLOCK:
+    from celery.signals import before_task_publish
+
+    @before_task_publish.connect(weak=False)
+    def _block_publish(**_: Any) -> None:
+        ready = os.path.join(_BLOCK, "ready")
+        with open(ready + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.replace(ready + ".tmp", ready)
+        deadline = time.monotonic() + 60.0
+        while not os.path.exists(os.path.join(_BLOCK, "go")) and time.monotonic() < deadline:
+            time.sleep(0.01)

@@ -127,6 +127,36 @@ def long_hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> di
     return {"lowest_validity": lowest}
 
 
+@app.task(bind=True, base=RedlockTask, lock_key="res:<key>", name="lockapp.hold_until")
+def hold_until(self: RedlockTask, key: str, flag: str, limit: float, record_to: str) -> str:
+    """Hold ``key`` until the store has ``flag`` (a test's event, not a duration), at most ``limit`` s."""
+    start = now()
+    record(record_to, event="start", key=key, task_id=self.request.id, start=start)
+    while not store().exists(flag) and now() < start + limit:
+        time.sleep(0.02)
+    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now())
+    return key
+
+
+@app.task(
+    bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=1.0, time_limit=3, name="lockapp.limited"
+)
+def limited(self: RedlockTask, key: str, seconds: float, record_to: str) -> dict[str, Any]:
+    """A task whose own time limit (3 s) a call may raise; the body checks its lock throughout."""
+    start = now()
+    record(record_to, event="start", key=key, task_id=self.request.id, start=start)
+    lost = ""
+    while now() < start + seconds:
+        try:
+            self.redlock.ensure()
+        except LockLost as exc:
+            lost = str(exc)
+            break
+        time.sleep(0.05)
+    record(record_to, event="interval", key=key, task_id=self.request.id, start=start, end=now(), lost=lost)
+    return {"lost": lost}
+
+
 @app.task(bind=True, base=RedlockTask, lock_key="res:<key>", lock_ttl=1.0, name="lockapp.until_lost")
 def until_lost(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
     """Poll ``self.redlock`` until the lock is lost (or ``seconds`` pass); record what was seen."""
@@ -244,7 +274,7 @@ def free_for_others(key: str) -> bool:
     with Redlock(urls, retry_count=0) as other:
         lock = other.lock(f"res:{key}", ttl=5)
         if lock.acquire(blocking=False):
-            lock.release(linger=False)
+            lock.release()
             return True
     return False
 

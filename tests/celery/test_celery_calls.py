@@ -87,10 +87,8 @@ def test_apply_runs_the_body_locked_in_this_process(
     assert seen == [False, True]  # the resource was taken while the body ran, and owned
     with Redlock(redlock_master_urls) as check:
         lock = check.lock("calls:3", ttl=5)
-        deadline = time.monotonic() + 5
-        while not lock.acquire(blocking=False):  # released after the run (may linger 20 ms)
-            assert time.monotonic() < deadline, "apply() left its lock held"
-            time.sleep(0.02)
+        # Released, and answered by the masters, before apply() stored the result.
+        assert lock.acquire(blocking=False), f"apply() left its lock held: {lock.last_votes}"
         lock.release()
 
 

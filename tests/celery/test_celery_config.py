@@ -242,7 +242,8 @@ def test_namespaced_settings_work_and_other_names_are_not_ours(
         (
             {"redlock_heartbeat_interval": 10.0},
             {"lock_ttl": 5.0},
-            "heartbeat interval 10.0 s must be shorter",
+            "redlock_heartbeat_interval 10 s cannot keep its lock alive.*largest heartbeat "
+            "interval allowed is 4.75 s",
         ),
     ],
 )
@@ -289,7 +290,8 @@ def test_unknown_names_get_the_closest_known_one_in_the_style_they_were_written(
         "'celery_redlock_ttl' is not a celery-redlock setting; did you mean 'CELERY_REDLOCK_TTL'?",
         "'redlock_contnded' is not a celery-redlock setting; did you mean 'redlock_contended'?",
     ]
-    # Without a namespace, Celery reads only the lower-case names.
+    # Without a namespace, Celery reads only the lower-case names. A deprecated setting
+    # (redlock_release_linger: check_app warns that it does nothing) is still a known one.
     plain = Celery("plain", set_as_current=False).conf
     plain.update(REDLOCK_TTL=1, redlock_release_linger=0, redlock_tll=1)
     assert sorted(unknown_settings(plain)) == [
@@ -377,8 +379,9 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
         assert after is not before
         runner.join(20)
         assert results and results[0].state == "SUCCESS", results
-        # The first run's release went to the masters that granted it (it may linger 20 ms).
-        wait_until(lambda: holders(first, "redlock:cfg:held") == 0, 5, "the release on the first masters")
+        # The first run's release went to the masters that granted it, and was answered before
+        # its result was stored.
+        assert holders(first, "redlock:cfg:held") == 0
         assert holders(second, "redlock:cfg:held") == 0
     finally:
         gate.set()

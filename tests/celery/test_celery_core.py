@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import holds, records, wait_until
+from conftest import contend_while_running, ended_at, holds, records, wait_until
 
 from celery_redlock import Redlock, is_skipped
 from celery_redlock.testing import CeleryWorker, Hold, ServerSet, find_overlaps
@@ -63,14 +63,9 @@ def test_long_task_keeps_its_lock(lockapp: Any, pool: Pool, tag: str, redlock_ma
     _, queue, _ = pool
     result = lockapp.long_hold.apply_async((tag, 3.0, tag), queue=queue)  # 5x its 0.6 s TTL
     wait_until(lambda: records(lockapp, tag), 20, "the long task to start")
-    with Redlock(redlock_master_urls) as contender:
-        attempts = 0
-        while not result.ready():
-            lock = contender.lock(f"res:{tag}", ttl=5)
-            assert not lock.acquire(blocking=False), "a contender got in while the task ran"
-            attempts += 1
-            time.sleep(0.1)
+    attempts, got_in = contend_while_running(result, redlock_master_urls, f"res:{tag}")
     outcome = result.get(timeout=5)
+    assert got_in is None or got_in > ended_at(lockapp, tag), "a contender got in while the task ran"
     assert attempts >= 10
     assert outcome["lowest_validity"] > 0
 
@@ -226,23 +221,22 @@ def test_the_mixin_composes_with_a_base_class_of_its_own(
     assert [e["event"] for e in events] == ["base-before", "body", "base-after"]
     assert events[1]["owned"] and events[2]["status"] == "SUCCESS"
     with Redlock(redlock_master_urls) as check:
-        # Released by the mixin's after_return; the release may linger up to
-        # redlock_release_linger (20 ms) for company before the idle worker sends it.
-        wait_until(lambda: not check.lock(f"res:{tag}").locked(), 5, "the lock's release")
+        # Released as the body ended, its replies received before the result was stored.
+        assert not check.lock(f"res:{tag}").locked()
 
 
 @pytest.mark.timeout(90)
-def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
+def test_a_finished_run_never_blocks_the_next_run_or_another_client(
     lockapp: Any,
     broker: Any,
     redlock_masters: ServerSet,
     redlock_master_urls: list[str],
     tag: str,
 ) -> None:
-    """One solo worker runs 20 same-key tasks back to back with lock_contended="skip": each
-    run's release lingers into the next run's acquire, written ahead of it on every link, so no
-    run finds its predecessor's lock (a skip would show as a missing interval). Once the worker
-    is idle, the last release goes out within the linger bound."""
+    """One solo worker runs 20 same-key tasks back to back with lock_contended="skip": no run
+    finds its predecessor's lock (a skip would show as a missing interval). Then, one run at a
+    time, another client (this process) takes the lock without blocking as soon as the run's
+    result is in: the release was answered by the masters before the result was stored."""
     from conftest import app_env, start_worker
 
     queue = f"q-solo-{tag}"
@@ -254,8 +248,12 @@ def test_a_lingering_release_never_blocks_the_next_run_in_its_process(
         values = [r.get(timeout=30) for r in results]
         assert not any(is_skipped(v) for v in values), values
         assert len(records(lockapp, tag)) == 20
-        with Redlock(redlock_master_urls) as check:
-            wait_until(lambda: not check.lock(f"res:{tag}").locked(), 5, "the last release")
+        with Redlock(redlock_master_urls, retry_count=0) as other:
+            for n in range(5):
+                assert lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue).get(timeout=30) == tag
+                lock = other.lock(f"res:{tag}", ttl=5)
+                assert lock.acquire(blocking=False), f"run {n}: {[str(v) for v in lock.last_votes]}"
+                assert lock.release() is True
     finally:
         worker.stop()
 

@@ -132,11 +132,15 @@ def test_a_burst_of_duplicates_publishes_one_message_per_key(
         (first,) = got[key]
         assert enq.hold.is_queued(key, 0.1, tag)
         assert enq.hold.queued_task_id(key, 0.1, tag) == first
-        # The other mode raises, naming it; and the message carries the marker it hands over.
+        # The other mode raises, naming its own queued message; another task of the same key is
+        # no duplicate of it (see test_celery_enqueue_progress.py). The message carries the
+        # marker it hands over.
+        own = enq.hold_raise.apply_async((key, 0.1, tag), queue=queue)
+        assert own.id != first and client.llen(queue) == 31
         with pytest.raises(AlreadyQueued) as raised:
             enq.hold_raise.apply_async((key, 0.1, tag), queue=queue)
-        assert raised.value.task_id == first and first in str(raised.value)
-        assert client.llen(queue) == 30
+        assert raised.value.task_id == own.id and own.id in str(raised.value)
+        assert client.llen(queue) == 31
         message = json.loads(client.lindex(queue, 0))
         marker = message["headers"][MARKER_HEADER]
         assert marker["name"].startswith(f"enq:{tag}-") and '"queued":true' in marker["value"]
@@ -277,10 +281,13 @@ def test_a_retry_keeps_the_key_for_the_retried_message(enq: Any, live: list[Cele
             assert exc.task_id == result.id
             refused += 1
         else:
-            if not result.ready():
+            # The key is freed before the result can be seen: a publish that succeeds once the
+            # retried run has begun may have come after its end, and is no duplicate.
+            if not result.ready() and not any(r["retries"] == 1 for r in runs(enq, tag)):
                 raise AssertionError(
                     "a duplicate was published while the task was queued, running or retrying"
                 )
+            break
         time.sleep(0.01)
     assert result.get(timeout=30) == 1 and refused > 5
     assert [r["retries"] for r in runs(enq, tag) if r["task_id"] == result.id] == [0, 1]

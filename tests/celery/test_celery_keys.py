@@ -33,9 +33,9 @@ def test_values_render_canonically() -> None:
     assert {render_value(v) for v in (42, 42.0, Decimal("42.00"), "42")} == {"42"}
     assert render_value(uuid.UUID(int=1)) == "00000000-0000-0000-0000-000000000001"
     paris = dt.timezone(dt.timedelta(hours=1))
-    assert render_value(dt.datetime(2024, 1, 1, 13, 0, tzinfo=paris)) == "2024-01-01T12:00:00+00:00"
+    assert render_value(dt.datetime(2024, 1, 1, 13, 0, tzinfo=paris)) == "2024-01-01T12%3A00%3A00%2B00%3A00"
     assert render_value(True) == "true" and render_value(None) == "%none"
-    assert render_value({"b": 1, "a": 2}) == "{a=2,b=1}"
+    assert render_value({"b": 1, "a": 2}) == "%{a=2,b=1}"
     with pytest.raises(TypeError, match="no canonical text"):
         render_value(object())
 
@@ -59,7 +59,7 @@ def test_bad_placeholder_fails_when_the_task_is_defined() -> None:
         def bad(invoice_id: int) -> None: ...
 
 
-def test_bound_task_skips_self_and_none_means_the_task_name() -> None:
+def test_bound_task_skips_self() -> None:
     app = Celery("keys-test", set_as_current=False)
 
     @app.task(
@@ -67,11 +67,8 @@ def test_bound_task_skips_self_and_none_means_the_task_name() -> None:
     )
     def bound(self: RedlockTask, account: str) -> None: ...
 
-    @app.task(base=RedlockTask, name="kt.whole", lazy=False, shared=False)
-    def whole(x: int) -> None: ...
-
     assert bound.lock_name(("a1",)) == "acct:a1"
-    assert whole.lock_name((1,)) == "kt.whole"
+    # lock_key=None: test_celery_keys_render.py::test_a_task_without_lock_key_locks_the_whole_task_name
 
 
 def test_bad_option_values_name_the_task_and_option() -> None:
@@ -164,7 +161,7 @@ def test_dollar_text_that_names_no_parameter_is_literal() -> None:
     assert key.render((1,)) == "price$usd:1"
 
 
-@pytest.mark.parametrize("template", ["inv:<a><b>", "inv:<a>x<b>", "inv:<a>%<b>", "inv:<a>[:<b>"])
+@pytest.mark.parametrize("template", ["inv:<a><b>", "inv:<a>x<b>", "inv:<a>42<b>", "inv:<a>xY7<b>"])
 def test_placeholders_must_be_kept_apart_by_a_separator(template: str) -> None:
     """("12", "3") and ("1", "23") would both be "inv:123"."""
 

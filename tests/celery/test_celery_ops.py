@@ -131,7 +131,9 @@ def test_ls_and_show_while_tasks_hold_locks_on_two_workers(
     opsapp: Any, ready: list[CeleryWorker], broker: RedisServer, redlock_masters: ServerSet
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    results = [opsapp.hold.delay(f"{tag}-{i}", 5.0, tag) for i in range(4)]
+    # Held until the checks below are done (the stop key), not for a fixed time a loaded
+    # machine's slow CLI could outlast.
+    results = [opsapp.hold.delay(f"{tag}-{i}", 60.0, tag) for i in range(4)]
     runs = started_runs(broker, tag, 4)
     by_task = {r["task_id"]: r["pid"] for r in runs}
 
@@ -167,6 +169,7 @@ def test_ls_and_show_while_tasks_hold_locks_on_two_workers(
     )
     assert "task opsapp.hold" in shown.stdout
 
+    broker.client().set(f"{tag}:stop", 1)
     for result in results:
         assert result.get(timeout=60) is not None
     free = cli(broker, redlock_masters, "show", f"ops:{tag}-0")
@@ -191,7 +194,7 @@ def test_release_of_a_sigkilled_holders_lock_lets_a_contender_in_at_once(
         lock = contender.lock(f"ops:{tag}", ttl=5)
         assert lock.acquire(blocking=False), "the released lock was still held"
         assert time.monotonic() - at < 1.0
-        lock.release(linger=False)
+        lock.release()
 
 
 @pytest.mark.timeout(120)

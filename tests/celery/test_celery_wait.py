@@ -69,7 +69,10 @@ def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: P
     """prefork: revoke with terminate kills the waiting child. threads: a plain revoke reaches
     the worker's revoked set, which the wait checks at each wake (at least every 0.5 s)."""
     name, queue, _ = pool
-    holder = lockapp.hold.apply_async((tag, 2.0, f"{tag}-holder"), queue=queue)
+    # Held until the test says so: however long the control commands take under load, the
+    # revoke reaches a waiter whose holder still holds.
+    flag = f"{tag}-release"
+    holder = lockapp.hold_until.apply_async((tag, flag, 60.0, f"{tag}-holder"), queue=queue)
     wait_until(lambda: records(lockapp, f"{tag}-holder"), 20, "the holder to start")
     waiter = lockapp.hold_or_wait.apply_async((tag, 0.1, tag), queue=queue)
     # Control commands from a process of their own: Celery's control in this process leaves
@@ -80,9 +83,10 @@ def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: P
     _control(broker, "revoke-terminate" if name == "prefork" else "revoke", waiter.id)
     with pytest.raises(TaskRevokedError):
         waiter.get(timeout=20)
-    # Ended while the holder still held (it holds for 2 s): the wait itself was cut short.
+    # Ended while the holder still held: the wait itself was cut short.
     assert time.monotonic() - revoked_at < 1.8
     assert holder.state != "SUCCESS"
+    lockapp.store().set(flag, 1)
     holder.get(timeout=30)
     assert records(lockapp, tag) == []  # the revoked run's body never ran
     # Whatever the pool did with the waiting run, a later duplicate gets the lock at once.

@@ -1,5 +1,10 @@
 """Core tests run against the embedded valkey-server and, where installed, this machine's
-redis-server 7: the lock must behave the same on both."""
+redis-server 7: the lock must behave the same on both.
+
+The contract modules (``CONTRACT_MODULES``) also run over both transports, the fast one and the
+plain redis-py one (lock/transport/reference.py): every scenario there is a differential test of
+the fast transport's extra code. Only there, and on the embedded server only, so the suite does
+not double: the transports' subject is the client, not the server binary."""
 
 from __future__ import annotations
 
@@ -15,18 +20,47 @@ from celery_redlock.testing import ServerSet
 BINARIES = ["embedded"]
 if shutil.which("redis-server"):
     BINARIES.append("redis-server")
+TRANSPORTS = ["fast", "redis-py"]
+# The modules whose every scenario runs over both transports (by the ``transport`` fixture).
+CONTRACT_MODULES = {
+    "test_lock_semantics",
+    "test_release_contract",
+    "test_quorum",
+    "test_exclusion",
+    "test_reentrant",
+    "test_fencing",
+    "test_fair",
+    "test_failures",
+    "test_noscript",
+}
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.module.__name__.rpartition(".")[2] in CONTRACT_MODULES:
+        metafunc.parametrize("transport", TRANSPORTS, indirect=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The explore tests (hypothesis machines, adversarial reviews) attack the protocol, not a
-    server binary: they run on the embedded one only. Every other core test runs on both, which
-    is where the binaries' parity is shown; doubling the minutes of the explorations shows
-    nothing more."""
+    """The explore tests (hypothesis machines, adversarial reviews) and the one_binary scenarios
+    attack the protocol, not a server binary: they run on the embedded one only. Every other
+    core test runs on both, which is where the binaries' parity is shown; doubling the minutes
+    of the explorations shows nothing more.
+
+    The reference transport's runs are on the embedded binary only, and not for the explore or
+    slow tests; a test marked ``fast_transport`` (it checks a detail of the fast transport) is
+    skipped over it, with its reason."""
     keep, skip = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
-        on_system = callspec is not None and callspec.params.get("server_set") == "redis-server"
-        (skip if on_system and item.get_closest_marker("explore") else keep).append(item)
+        params = callspec.params if callspec is not None else {}
+        on_system = params.get("server_set") == "redis-server"
+        single = item.get_closest_marker("explore") or item.get_closest_marker("one_binary")
+        reference = params.get("transport") == "redis-py"
+        long = item.get_closest_marker("explore") or item.get_closest_marker("slow")
+        (skip if (on_system and (single or reference)) or (reference and long) else keep).append(item)
+        fast_only = item.get_closest_marker("fast_transport")
+        if reference and fast_only:
+            item.add_marker(pytest.mark.skip(reason=f"checks a fast-transport detail: {fast_only.args[0]}"))
     if skip:
         config.hook.pytest_deselected(items=skip)
         items[:] = keep
@@ -46,9 +80,22 @@ def masters(server_set: ServerSet) -> ServerSet:
     return server_set
 
 
+@pytest.fixture(autouse=True)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The transport of every Redlock the test builds in this process: ``rl``, its own, a
+    subclass's, a helper's (``Redlock``'s default is patched for the test). Parametrized over
+    TRANSPORTS in the contract modules, "fast" elsewhere."""
+    name: str = getattr(request, "param", "fast")
+    if name != "fast":
+        defaults = Redlock.__init__.__kwdefaults__
+        assert defaults is not None and "transport" in defaults
+        monkeypatch.setitem(defaults, "transport", name)
+    return name
+
+
 @pytest.fixture
-def rl(masters: ServerSet) -> Iterator[Redlock]:
-    with Redlock(masters.urls, retry_count=0) as instance:
+def rl(masters: ServerSet, transport: str) -> Iterator[Redlock]:
+    with Redlock(masters.urls, retry_count=0, transport=transport) as instance:
         yield instance
 
 

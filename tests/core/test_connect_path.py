@@ -6,7 +6,9 @@
   out before it carries a vote or a release, and replaced within the same round.
 - A master that is down costs a round nothing: it votes ``error`` at once, and is reconnected in
   the background, backed off, so it rejoins within the backoff cap once it is back.
-- Releases that linger until interpreter exit are delivered even when they need new links.
+- A release that is not waited for (``release_without_waiting``) goes out on new links when the
+  old ones were closed, even from an exit hook; one that no link could take is kept on its master
+  and written first on the master's next link.
 - Two masters that turn out to be one server (a proxy, an alias) stop the Redlock granting.
 """
 
@@ -23,7 +25,7 @@ import pytest
 
 from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock import masters as master_module
-from celery_redlock.testing import Proxy, RedisServer, ServerSet
+from celery_redlock.testing import Proxy, ProxySet, RedisServer, ServerSet
 
 from .conftest import keys_on, wait_for
 
@@ -92,7 +94,7 @@ def test_a_round_costs_one_request_timeout_connects_included(masters: ServerSet)
             elapsed = time.monotonic() - started
             assert kinds(lock.last_votes)[:3] == ["yes"] * 3
             assert elapsed < timeout + SLACK, f"{elapsed:.3f}s for one try"
-            lock.release(linger=False)
+            lock.release()
 
 
 @pytest.fixture
@@ -121,7 +123,7 @@ def test_a_connect_that_never_completes_and_a_silent_master_cost_one_request_tim
         first = rl.lock("warm", ttl=10)
         assert first.acquire(blocking=False)
         assert kinds(first.last_votes) == ["yes", "yes", "yes", "error", "yes"]
-        first.release(linger=False)
+        first.release()
         time.sleep(2 * timeout)  # any cool-down of the failed connect has passed
         silent.blackhole()
         lock = rl.lock("two-faults", ttl=10)
@@ -129,7 +131,7 @@ def test_a_connect_that_never_completes_and_a_silent_master_cost_one_request_tim
         assert lock.acquire(blocking=False), lock.last_error
         elapsed = time.monotonic() - started
         assert elapsed < timeout + SLACK, f"{elapsed:.3f}s for one try"
-        lock.release(linger=False)
+        lock.release()
 
 
 # -- 2. links the server closed while idle --------------------------------------------------------
@@ -141,57 +143,97 @@ def test_idle_closed_links_are_replaced_before_they_vote(idle_timeout: ServerSet
     with Redlock(idle_timeout.urls, retry_count=0, request_timeout=1.0) as rl:
         warm = rl.lock("idle-vote", ttl=10)
         assert warm.acquire(blocking=False)
-        warm.release(linger=False)
+        warm.release()
         wait_until_idle_closed(idle_timeout)
         lock = rl.lock("idle-vote", ttl=10)
         assert lock.acquire(blocking=False), lock.last_error
         assert kinds(lock.last_votes) == ["yes"] * 5
-        lock.release(linger=False)
+        lock.release()
+
+
+def release(lock: object, how: str, servers: ServerSet) -> None:
+    """Release ``lock`` by ``how``; either way no master holds its key soon after: at once when
+    release() waited for the replies (True: a quorum answered, here all five did)."""
+    key = lock.key  # type: ignore[attr-defined]
+    if how == "release":
+        assert lock.release() is True  # type: ignore[attr-defined]
+        assert none_left(servers, key), keys_on(servers)
+    else:
+        lock.release_without_waiting()  # type: ignore[attr-defined]
+        assert wait_for(lambda: none_left(servers, key), 1.0), keys_on(servers)
+
+
+RELEASES = ["release", "release_without_waiting"]
 
 
 @pytest.mark.timeout(60)
-def test_a_release_on_idle_closed_links_deletes_the_keys(idle_timeout: ServerSet) -> None:
-    with Redlock(idle_timeout.urls, retry_count=0) as rl:
+@pytest.mark.parametrize("how", RELEASES)
+def test_a_release_on_idle_closed_links_deletes_the_keys(idle_timeout: ServerSet, how: str) -> None:
+    with Redlock(idle_timeout.urls, retry_count=0, request_timeout=1.0) as rl:
         lock = rl.lock("idle-release", ttl=30)
         assert lock.acquire(blocking=False)
         wait_until_idle_closed(idle_timeout)
-        lock.release(linger=False)
-        assert wait_for(lambda: none_left(idle_timeout, "redlock:idle-release"), 1.0)
+        release(lock, how, idle_timeout)
         with Redlock(idle_timeout.urls, retry_count=0) as probe:
             again = probe.lock("idle-release", ttl=30)
             assert again.acquire(blocking=False), again.last_error
-            again.release(linger=False)
+            again.release()
 
 
 @pytest.mark.timeout(60)
-def test_a_release_after_client_kill_deletes_the_keys(masters: ServerSet) -> None:
-    with Redlock(masters.urls, retry_count=0) as rl:
+@pytest.mark.parametrize("how", RELEASES)
+def test_a_release_after_client_kill_deletes_the_keys(masters: ServerSet, how: str) -> None:
+    with Redlock(masters.urls, retry_count=0, request_timeout=1.0) as rl:
         lock = rl.lock("killed-links", ttl=30)
         assert lock.acquire(blocking=False)
         kill_clients(masters)
-        lock.release(linger=False)
-        assert wait_for(lambda: none_left(masters, "redlock:killed-links"), 1.0), keys_on(masters)
+        release(lock, how, masters)
         again = rl.lock("killed-links", ttl=30)
         assert again.acquire(blocking=False), again.last_error
         assert kinds(again.last_votes) == ["yes"] * 5
-        again.release(linger=False)
+        again.release()
 
 
 @pytest.mark.timeout(60)
-def test_a_lingering_release_rides_on_the_links_that_replace_killed_ones(masters: ServerSet) -> None:
-    """A release waiting to travel with the next round goes out on that round's new links, in
-    front of its command, when the old ones were closed by the servers."""
-    with Redlock(masters.urls, retry_count=0, release_linger=0.5) as rl:
+def test_a_release_not_waited_for_rides_on_the_links_that_replace_killed_ones(masters: ServerSet) -> None:
+    """A release sent without waiting, when the servers had closed the links, goes out on new
+    ones; the next round takes those links, so every master ran the release before it answered
+    that round's command."""
+    with Redlock(masters.urls, retry_count=0) as rl:
         first = rl.lock("carried-first", ttl=30)
         assert first.acquire(blocking=False)
-        first.release()  # lingers, to ride with the next round
         kill_clients(masters)
+        first.release_without_waiting()
         second = rl.lock("carried-second", ttl=30)
         assert second.acquire(blocking=False), second.last_error
         assert kinds(second.last_votes) == ["yes"] * 5
-        # Sent in front of the acquire on every link, so applied before the acquire was answered.
         assert none_left(masters, "redlock:carried-first"), keys_on(masters)
-        second.release(linger=False)
+        second.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_release_no_link_could_take_is_kept_and_written_on_the_next_link(masters: ServerSet) -> None:
+    """Two masters reset every connection when the release is sent without waiting: it is kept
+    on them (Master.keep_unsent) and written first on the link their background reconnect makes
+    once they are reachable again, long before the 30 s TTL."""
+    with (
+        ProxySet([server.address for server in masters]) as proxies,
+        Redlock(proxies.urls, retry_count=0, request_timeout=0.5) as rl,
+    ):
+        lock = rl.lock("kept-release", ttl=30)
+        assert lock.acquire(blocking=False), lock.last_error
+        for proxy in proxies.proxies[:2]:
+            proxy.cut()
+        lock.release_without_waiting()
+        assert wait_for(lambda: none_left(masters[2:], "redlock:kept-release"), 1.0), keys_on(masters)
+        assert all(keys_on(masters[:2], "redlock:kept-release").values())  # not written anywhere yet
+        assert rl.masters[0]._unsent and rl.masters[1]._unsent
+        proxies.heal()
+        healed = time.monotonic()
+        assert wait_for(
+            lambda: none_left(masters, "redlock:kept-release"), master_module.BACKOFF_CAP + 2.0
+        ), keys_on(masters)
+        assert time.monotonic() - healed < 10.0  # written on reconnect, not removed by the TTL
 
 
 @pytest.mark.timeout(60)
@@ -205,7 +247,7 @@ def test_a_release_after_a_master_restart_deletes_the_keys(masters: ServerSet) -
             client = durable.client()
             try:
                 assert client.exists("redlock:restarted") == 1  # the lock survived the restart
-                lock.release(linger=False)
+                lock.release()
                 assert wait_for(lambda: client.exists("redlock:restarted") == 0, 1.0)
             finally:
                 client.close()
@@ -231,7 +273,7 @@ def test_a_dead_master_costs_a_round_nothing_and_rejoins(masters: ServerSet) -> 
             started = time.monotonic()
             for _ in range(tries):
                 assert lock.acquire(blocking=False), lock.last_error
-                lock.release(linger=False)
+                lock.release()
             spent[name] += time.monotonic() - started
 
         for name in locks:
@@ -255,20 +297,21 @@ def test_a_dead_master_costs_a_round_nothing_and_rejoins(masters: ServerSet) -> 
         lock = locks["one stopped"]
         assert lock.acquire(blocking=False), lock.last_error
         assert kinds(lock.last_votes) == ["yes"] * 5
-        lock.release(linger=False)
+        lock.release()
 
 
-# -- 4. lingering releases at interpreter exit ----------------------------------------------------
+# -- 4. releases not waited for, at interpreter exit ---------------------------------------------
 CHILD = """
+import atexit
 import sys
 import redis
 from celery_redlock import Redlock
 
-urls = sys.argv[2:]
-rl = Redlock(urls, retry_count=0, release_linger=0.5)
+links, when, urls = sys.argv[1], sys.argv[2], sys.argv[3:]
+rl = Redlock(urls, retry_count=0, request_timeout=2.0)
 lock = rl.lock("exit-flush", ttl=30)
 assert lock.acquire(blocking=False), lock.last_error
-if sys.argv[1] == "killed":  # the servers close this process's links
+if links == "killed":  # the servers close this process's links
     for url in urls:
         client = redis.Redis.from_url(url)
         client.client_kill_filter(_type="normal", skipme=True)
@@ -276,16 +319,23 @@ if sys.argv[1] == "killed":  # the servers close this process's links
 else:  # this process closes them
     for master in rl.masters:
         master.close()
-lock.release()  # lingers; the process exits long before the linger is over
+if when == "atexit":  # concurrent.futures takes no more work by then: the round connects itself
+    atexit.register(lock.release_without_waiting)
+else:
+    lock.release_without_waiting()  # the last statement: the process exits right after
 """
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["last", "atexit"])
 @pytest.mark.parametrize("links", ["killed", "closed"])
-def test_lingering_releases_are_delivered_at_exit_on_new_links(masters: ServerSet, links: str) -> None:
-    """The flush at exit must make new links, after concurrent.futures has stopped taking work."""
+def test_a_release_not_waited_for_at_exit_is_delivered_on_new_links(
+    masters: ServerSet, links: str, when: str
+) -> None:
+    """A release made as the process ends, on links that are gone, must make new ones (inline
+    once concurrent.futures has stopped taking work) and be written before the process exits."""
     child = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(CHILD), links, *masters.urls],
+        [sys.executable, "-c", textwrap.dedent(CHILD), links, when, *masters.urls],
         capture_output=True,
         text=True,
         timeout=30,
@@ -351,7 +401,7 @@ def test_a_parked_set_is_not_trusted_once_a_master_is_found_to_be_another(master
     with Redlock(urls, retry_count=0) as rl:
         lock = rl.lock("parked", ttl=5)
         assert lock.acquire(timeout=5), lock.last_error
-        lock.release(linger=False)
+        lock.release()
         first.close()  # its connections are reset
         with Proxy(masters[3].address, port=port) as alias:
             for attempt in range(3):
@@ -379,8 +429,8 @@ def test_a_set_parked_before_a_refusal_is_taken_apart(masters: ServerSet) -> Non
     with Redlock([f"{url}?client_name={name}" for url in masters.urls], retry_count=0) as rl:
         lock = rl.lock("parked-refusal", ttl=5)
         assert lock.acquire(timeout=5), lock.last_error
-        lock.release(linger=False)
-        assert rl._sets, "the round parked no set of links"
+        lock.release()
+        assert rl.transport._sets, "the round parked no set of links"
         reason = "masters 3 and 4 are one server (as found by another thread's round)"
         rl.masters[3].refuse(reason)
         rl.masters[4].refuse(reason)

@@ -181,6 +181,10 @@ def test_restarted_master_rejoins(masters: ServerSet, fresh: Redlock) -> None:
     fresh.close()
 
 
+@pytest.mark.fast_transport(
+    "a down master's background reconnect, backed off up to BACKOFF_CAP (the reference transport "
+    "has no backoff: it connects again on the next round)"
+)
 def test_a_refused_master_rejoins_within_the_backoff_cap(masters: ServerSet, fresh: Redlock) -> None:
     """A refused master is retried off the rounds' path, backed off (so that it costs a round
     nothing while it is down): once it is back, its vote counts again within the backoff cap."""

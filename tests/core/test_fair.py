@@ -58,6 +58,19 @@ def await_queued(masters: ServerSet, name: str, n: int, timeout: float = 10) -> 
     assert wait_for(lambda: set(queued(masters, name)) == {n}, timeout), queued(masters, name)
 
 
+def await_placed(masters: ServerSet, name: str, n: int, timeout: float = 10) -> None:
+    """Until ``n`` entries are queued on a quorum of the masters, and on none more than ``n``: the
+    arrival order's guarantee counts a quorum's acknowledgement. (A join that timed out on one
+    master of a loaded machine is made again on the waiter's next attempt, which under a long
+    ``wait_poll`` is its wake, so waiting for every master would wait on that.)"""
+
+    def placed() -> bool:
+        counts = queued(masters, name)
+        return max(counts) <= n and sum(c == n for c in counts) >= len(masters) // 2 + 1
+
+    assert wait_for(placed, timeout), queued(masters, name)
+
+
 class Holds:
     """Who held the resource, in grant order; fails a test on any overlap."""
 
@@ -105,30 +118,36 @@ def test_uncontended_fair_acquire_is_one_command_per_master(masters: ServerSet, 
     assert lock.last_attempts == 1
     for server in masters:
         stats = server.client().info("commandstats")
-        assert stats["cmdstat_eval"]["calls"] == 1, stats  # one script, nothing before or after
+        assert stats["cmdstat_evalsha"]["calls"] == 1, stats  # one script, nothing before or after
     lock.release()
     assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
 
 
 @pytest.mark.parametrize("waiters", [5, 10])
 def test_threads_are_granted_in_arrival_order_one_wake_each(
-    masters: ServerSet, rl: Redlock, waiters: int
+    masters: ServerSet, rl: Redlock, waiters: int, transport: str
 ) -> None:
-    holder = rl.lock("order", ttl=10, fair=True)
+    # Held until the last waiter is placed, however long a loaded machine takes to place them.
+    holder = rl.lock("order", ttl=60, fair=True)
     assert holder.acquire(blocking=False)
     holds = Holds()
     threads = []
     for i in range(waiters):
         # A fallback poll far longer than the test: every attempt after arrival is a wake.
         threads.append(start_waiter(masters.urls, "order", holds, i, wait_poll=10))
-        await_queued(masters, "order", i + 1)  # acknowledged everywhere before the next arrives
+        await_placed(masters, "order", i + 1)  # acknowledged by a quorum before the next arrives
+    assert holder.owned() and holds.order == [], holds.order
     holder.release()
     for thread in threads:
         thread.join(30)
     assert holds.order == list(range(waiters))
     assert holds.overlaps == 0
-    # Arrival costs two attempts (the probe, then the join); each grant then costs one.
-    assert all(n == 3 for n in holds.attempts.values()), holds.attempts
+    # Arrival costs two attempts (the probe, then the join); each grant then costs one. Counted
+    # over the fast transport only: over the reference one, a release returns once a quorum has
+    # applied it while the other masters' threads are still writing it, so a woken waiter may
+    # try once before the rest of the release lands (order and exclusion hold over both).
+    if transport == "fast":
+        assert all(n == 3 for n in holds.attempts.values()), holds.attempts
     assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
 
 
@@ -305,3 +324,30 @@ def test_fair_timeout_none_waits_the_retry_budget(masters: ServerSet) -> None:
         waited = time.monotonic() - started
         assert 0.55 < waited < 0.6 + own.request_timeout + 0.3, waited
         holder.release()
+
+
+def test_poll_mode_keeps_arrival_order_too(masters: ServerSet, rl: Redlock) -> None:
+    """With ``wait="poll"`` a waiter's join follows its probe at once, as when woken by the
+    release: waiters arriving 0.3 s apart are granted in arrival order, though each naps up to
+    a whole second between later attempts (a nap between probe and join let later arrivals
+    join first)."""
+    holds = Holds()
+
+    def run(who: int) -> None:
+        with Redlock(masters.urls, wait="poll", retry_delay=1.0, request_timeout=0.2) as own:
+            lock = own.lock("poll-order", ttl=10, fair=True)
+            if lock.acquire(timeout=30):
+                holds.hold(who, lock)
+
+    holder = rl.lock("poll-order", ttl=10, fair=True)
+    assert holder.acquire(blocking=False)
+    threads = []
+    for who in range(6):
+        threads.append(threading.Thread(target=run, args=(who,), daemon=True))
+        threads[-1].start()
+        time.sleep(0.3)  # the arrivals' spacing is the scenario, not a wait for an event
+    holder.release()
+    for thread in threads:
+        thread.join(40)
+    assert holds.order == list(range(6))
+    assert holds.overlaps == 0

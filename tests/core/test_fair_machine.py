@@ -99,7 +99,7 @@ class FairMachine(RuleBasedStateMachine):
             waiter.release.wait(120)
             with self.mutex:
                 self.inside -= 1
-            lock.release(linger=False)
+            lock.release()
         finally:
             waiter.done.set()
 

@@ -78,7 +78,7 @@ def _contend(urls: list[str], name: str, until: float, out: multiprocessing.Queu
             invoked = time.monotonic()
             if lock.acquire(blocking=False):
                 records.append((invoked, time.monotonic(), lock.fence))
-                lock.release(linger=False)
+                lock.release()
     out.put(records)
 
 
@@ -187,7 +187,9 @@ def test_fence_is_kept_when_lost_and_none_in_a_forked_child(rl: Redlock, masters
     assert not lock.owned()
     assert lock.fence == fence  # lost: judging it is the resource's job
     other = rl.lock("kept", ttl=5, fenced=True)
-    assert other.acquire(blocking=False)
+    # Not owned is earlier than expired on the masters (validity keeps the drift allowance
+    # back): the next holder waits for the keys to go, as any contender would.
+    assert other.acquire(timeout=5), other.last_error
     assert other.fence is not None and fence is not None and other.fence > fence
     other.release()
 
@@ -195,20 +197,21 @@ def test_fence_is_kept_when_lost_and_none_in_a_forked_child(rl: Redlock, masters
 def test_fenced_grant_is_two_rounds_unfenced_one(masters: ServerSet, rl: Redlock) -> None:
     warm = rl.lock("rounds0", ttl=5, fenced=True)  # the scripts are in every master's cache
     assert warm.acquire(blocking=False)
-    warm.release(linger=False)
+    warm.release()
     for server in masters:
         server.client().config_resetstat()
     plain = rl.lock("rounds", ttl=5)
     assert plain.acquire(blocking=False)
-    plain.release(linger=False)
+    plain.release()
     fenced = rl.lock("rounds2", ttl=5, fenced=True)
     assert fenced.acquire(blocking=False)
     for server in masters:
         stats = server.client().info("commandstats")
-        # plain: one SET and the release script; fenced: the acquire and the write-back, by digest.
-        assert stats["cmdstat_eval"]["calls"] == 1, stats["cmdstat_eval"]
-        assert stats["cmdstat_evalsha"]["calls"] == 2, stats["cmdstat_evalsha"]
-    fenced.release(linger=False)
+        # plain: one SET and the release script; fenced: the acquire and the write-back. Every
+        # script by digest, none by source (the masters have them all: no NOSCRIPT).
+        assert "cmdstat_eval" not in stats, stats["cmdstat_eval"]
+        assert stats["cmdstat_evalsha"]["calls"] == 3, stats["cmdstat_evalsha"]
+    fenced.release()
 
 
 def test_threads_sharing_one_redlock_get_distinct_increasing_fences(rl: Redlock) -> None:
@@ -223,7 +226,7 @@ def test_threads_sharing_one_redlock_get_distinct_increasing_fences(rl: Redlock)
             if lock.acquire(blocking=False):
                 with mutex:
                     records.append((invoked, time.monotonic(), lock.fence))  # type: ignore[arg-type]
-                lock.release(linger=False)
+                lock.release()
 
     threads = [threading.Thread(target=run) for _ in range(4)]
     for thread in threads:

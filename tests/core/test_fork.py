@@ -2,7 +2,7 @@
 
 Only the thread that calls ``fork`` goes on in the child; a mutex that another thread held at
 that moment stays held there for ever, and the child's first ``with`` on it hangs. A prefork
-worker forks while its heartbeat, linger ticker and connect threads run, so each mutex and
+worker forks while its heartbeat, reconnect and connect threads run, so each mutex and
 condition of the package is replaced in the child (``celery_redlock._fork``). Each case below
 holds one of them in a second thread across ``os.fork()`` and has the child take, extend and
 release a *new* lock through the code that uses that mutex, within a bounded time; the parent
@@ -30,9 +30,9 @@ import celery_redlock.lock.heartbeat as heartbeat_module
 import celery_redlock.lock.masters as masters_module
 from celery_redlock import Lock, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
-from celery_redlock.testing import ServerSet
+from celery_redlock.testing import ProxySet, ServerSet
 
-from .conftest import values_on
+from .conftest import values_on, wait_for
 
 # How long a child may take to lock and report; a child that hangs on a mutex never does.
 CHILD_DEADLINE = 15.0
@@ -87,10 +87,9 @@ def in_child(work: Callable[[], str]) -> str:
         os.waitpid(pid, 0)
 
 
-def take_a_new_lock(
-    redlock: Redlock, name: str, heartbeat: Heartbeat | None = None, linger: bool = False
-) -> str:
-    """Acquire, extend (keep alive through ``heartbeat``, if given) and release ``name``."""
+def take_a_new_lock(redlock: Redlock, name: str, heartbeat: Heartbeat | None = None) -> str:
+    """Acquire, extend (keep alive through ``heartbeat``, if given) and release ``name``, the
+    release answered by a quorum."""
     lock = redlock.lock(name, ttl=5)
     if not lock.acquire(blocking=False):
         return f"not acquired: {lock.last_error}"
@@ -99,8 +98,8 @@ def take_a_new_lock(
     if heartbeat is not None:
         heartbeat.keep(lock, interval=1)
         heartbeat.forget(lock)
-    lock.release(linger=linger)
-    redlock.flush_releases()
+    if not lock.release():
+        return "release not answered by a quorum"
     return "ok"
 
 
@@ -110,7 +109,7 @@ def warm(redlock: Redlock) -> None:
     # Retried: on a loaded machine the first round's connects may outlast request_timeout, and a
     # later round finds them made. What is tested comes after.
     assert lock.acquire(timeout=5), lock.last_error
-    lock.release(linger=False)
+    lock.release()
 
 
 def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], work: Callable[[], str]) -> None:
@@ -125,12 +124,12 @@ def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], wor
     parent_lock = rl.lock(name, ttl=5)
     assert parent_lock.acquire(blocking=False), parent_lock.last_error
     assert [v.kind for v in parent_lock.last_votes] == ["yes"] * len(masters)
-    parent_lock.release(linger=False)
+    parent_lock.release()
 
 
 def test_a_master_mutex(masters: ServerSet, rl: Redlock) -> None:
     def work() -> str:
-        inherited = sum(len(m._idle) + len(m._owing) for m in rl.masters) + len(rl._sets)
+        inherited = sum(len(m._idle) + len(m._owing) for m in rl.masters) + len(rl.transport._sets)
         if inherited:
             return f"the child kept {inherited} of its parent's connections"
         report = take_a_new_lock(rl, "fork-master")
@@ -140,37 +139,70 @@ def test_a_master_mutex(masters: ServerSet, rl: Redlock) -> None:
     run_case(masters, rl, "fork-master", [m._mutex for m in rl.masters], work)
 
 
-def test_the_connector_mutex(masters: ServerSet, rl: Redlock) -> None:
-    # The child has no connection of its own: its first round connects to all five masters at
-    # once, through the connector pool and its mutex.
-    run_case(
-        masters,
-        rl,
-        "fork-connect",
-        [masters_module._connector_mutex],
-        lambda: take_a_new_lock(rl, "fork-connect"),
-    )
-
-
-def test_a_lingering_condition(masters: ServerSet, rl: Redlock) -> None:
-    with Redlock(masters.urls, retry_count=0, release_linger=0.5) as lingering:
-        held_back = lingering._lingering
-        assert held_back is not None
-        # A release of the parent's waits at the fork (its ticker is kept from sending it by
-        # the held condition): it is the parent's to send, never the child's.
-        parents = lingering.lock("fork-linger-parent", ttl=5)
-        assert parents.acquire(blocking=False), parents.last_error
-        parents.release()
+def test_a_connect_under_way_at_the_fork_is_the_parents(masters: ServerSet) -> None:
+    """Connects run on threads of their own, none of which lives on in the child: a connect the
+    parent had under way at the fork must not count in the child, where it would never end and,
+    once past its deadline, would leave its master "connecting" for the child's life."""
+    timeout = 1.0
+    with (
+        ProxySet([server.address for server in masters]) as proxies,
+        Redlock(proxies.urls, retry_count=0, request_timeout=timeout) as rl,
+    ):
+        proxies.proxies[0].blackhole()  # accepted, never answered: its connect waits out its deadline
+        connecting = threading.Thread(target=lambda: rl.lock("fork-connect-parent", ttl=5).acquire(False))
+        connecting.start()
+        assert wait_for(lambda: rl.masters[0]._connecting, 5.0)
+        due = time.monotonic() + timeout
 
         def work() -> str:
-            inherited = held_back.take()
-            if inherited:
-                return f"the child was left {len(inherited)} of its parent's releases"
-            return take_a_new_lock(lingering, "fork-linger", linger=True)
+            time.sleep(max(0.0, due - time.monotonic()) + 0.2)  # the parent's connect is overdue
+            lock = rl.lock("fork-connect", ttl=5)
+            if not lock.acquire(blocking=False):
+                return f"not acquired: {lock.last_error}"
+            kinds = [vote.kind for vote in lock.last_votes]
+            lock.release()
+            return "ok" if kinds == ["yes"] * len(masters) else f"votes: {lock.last_votes}"
 
-        run_case(masters, rl, "fork-linger", [held_back._cond], work)
-        lingering.flush_releases()
-        assert set(values_on(masters, "redlock:fork-linger-parent").values()) == {None}
+        # Healed by the parent (the proxy's thread is the parent's) while the child waits.
+        healer = threading.Timer(0.1, proxies.heal)
+        healer.start()
+        try:
+            started = time.monotonic()
+            report = in_child(work)
+        finally:
+            healer.join(5)
+            connecting.join(5)
+        assert report == "ok", report
+        assert time.monotonic() - started < CHILD_DEADLINE
+
+
+def test_a_masters_kept_releases(masters: ServerSet, rl: Redlock) -> None:
+    """A release that no link could take is kept on its master (under the master's mutex) for
+    the master's next link: it is the parent's to send, never the child's."""
+    with (
+        ProxySet([server.address for server in masters]) as proxies,
+        Redlock(proxies.urls, retry_count=0, request_timeout=0.5) as parents,
+    ):
+        warm(parents)
+        held = parents.lock("fork-kept-parent", ttl=30)
+        assert held.acquire(blocking=False), held.last_error
+        proxies.proxies[0].cut()  # every connection to master 0 is reset: the release is kept
+        held.release_without_waiting()
+        kept = parents.masters[0]
+        assert kept._unsent, "the release was not kept"
+
+        def work() -> str:
+            if kept._unsent:
+                return f"the child was left {len(kept._unsent)} of its parent's kept releases"
+            return take_a_new_lock(parents, "fork-kept")  # four masters of five answer
+
+        run_case(masters, rl, "fork-kept", [kept._mutex], work)
+        proxies.heal()
+        # The parent's reconnect writes it, long before the 30 s TTL.
+        assert wait_for(
+            lambda: set(values_on(masters, "redlock:fork-kept-parent").values()) == {None},
+            masters_module.BACKOFF_CAP + 2.0,
+        )
 
 
 def test_a_heartbeat_condition(masters: ServerSet, rl: Redlock) -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from celery_redlock import Lock, Redlock
+from celery_redlock import Lock, LockLost, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
 
@@ -67,10 +67,12 @@ def test_a_passing_fault_does_not_cost_the_lock(
     heartbeat.keep(lock, interval=0.2, on_lost=lambda _l, _r: lost.set())
     for i in (0, 1, 2):
         masters[i].pause()
-    time.sleep(0.5)  # extensions fail meanwhile, but the validity has not run out
+    # Extensions fail meanwhile, but the validity has not run out: a kept lock counts as owned
+    # for interval + margin (0.2 + 0.5 s) after its last extension began.
+    time.sleep(0.3)
     for i in (0, 1, 2):
         masters[i].resume()
-    assert wait_for(lambda: lock.validity > 1.2, 3.0)
+    assert wait_for(lambda: lock.validity > 0.5, 3.0)
     assert not lost.is_set() and lock.owned()
     heartbeat.forget(lock)
     lock.release()
@@ -87,6 +89,22 @@ def test_max_hold_stops_extending(rl: Redlock, heartbeat: Heartbeat) -> None:
     assert not lock.owned()
     # Our validity ends a drift margin before the masters expire the key: poll for it.
     assert rl.lock("capped", ttl=5).acquire(timeout=1.0)
+
+
+def test_a_capped_holder_is_told_while_its_key_is_still_there(rl: Redlock, heartbeat: Heartbeat) -> None:
+    """At max hold the body learns it (owned() False, ensure() raises) before the lock can go:
+    the key is still on the masters, so no other client can have taken it yet."""
+    lock = rl.lock("capped-told", ttl=3.0)
+    assert lock.acquire(blocking=False)
+    lost = threading.Event()
+    heartbeat.keep(lock, interval=0.2, max_hold=0.5, on_lost=lambda _l, _r: lost.set())
+    assert lost.wait(3.0)
+    assert not lock.owned()
+    with pytest.raises(LockLost, match="max hold"):
+        lock.ensure()
+    assert not rl.lock("capped-told", ttl=5).acquire(blocking=False), "the key went before the body was told"
+    assert lock.release()  # the token was kept: the release deletes the key
+    assert rl.lock("capped-told", ttl=5).acquire(blocking=False)
 
 
 def test_released_locks_are_dropped_silently(rl: Redlock, heartbeat: Heartbeat) -> None:

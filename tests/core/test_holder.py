@@ -36,7 +36,7 @@ def test_holder_is_read_by_another_client_and_gone_after_release(masters: Server
                 assert 0 < client.pttl("redlock:held-by") <= 5000
             finally:
                 client.close()
-        lock.release(linger=False)
+        lock.release()
         assert other.lock("held-by", ttl=10).acquire(blocking=False)  # released on every master
 
         assert other.holder("held-by") == ""  # held, by a lock taken without a holder
@@ -50,7 +50,7 @@ def test_holder_tokens_stay_unique_per_acquisition(masters: ServerSet) -> None:
         for _ in range(20):
             assert lock.acquire(blocking=False)
             tokens.add(lock.token)
-            lock.release(linger=False)
+            lock.release()
         assert len(tokens) == 20
 
 

@@ -106,8 +106,9 @@ ACQUIRE_TIMEOUT = 0.1  # acquire(timeout=...) mode: the bound grows by this much
 # return could explain.
 ACQUIRE_RETURN_SLACK = 0.015
 
-# A release is sent, not waited for; through a healthy proxy it lands within microseconds.
-# Half a second is far past that and still says "within one round" for a human.
+# release() waits for the replies, release_without_waiting() only sends; through a healthy proxy
+# either lands within microseconds. Half a second is far past that and still says "within one
+# round" for a human.
 RELEASE_SETTLE = 0.5
 # How long a forked child may take before the parent kills it by pid.
 CHILD_DEADLINE = 5.0
@@ -538,21 +539,40 @@ class InvariantMachine(RuleBasedStateMachine):
                     f"{result.took * 1000:.1f} ms, but owned() is already False"
                 )
 
-    @rule(held=consumes(held), linger=st.booleans())
-    def release(self, held: Held, linger: bool) -> None:
-        self._step("release", f"state.release(held={held}, linger={linger!r})")
+    @rule(held=consumes(held), waited=st.booleans())
+    def release(self, held: Held, waited: bool) -> None:
+        self._step("release", f"state.release(held={held}, waited={waited!r})")
         c, r, lock = held.c, held.r, held.lock
         event("release" if lock.token is not None else "release (nothing held)")
         token = lock.token
         healthy = self._healthy()
-        result = self._call(f"client {c}: release({r!r})", lambda: lock.release(linger=linger))
-        self._remember(c, r, f"release(linger={linger}) -> {result} (token {token and token[:8]})")
+        how = lock.release if waited else lock.release_without_waiting
+        result = self._call(f"client {c}: {how.__name__}({r!r})", how)
+        self._remember(c, r, f"{how.__name__}() -> {result} (token {token and token[:8]})")
         if result.error is not None:
-            raise InvariantBroken(f"client {c}: release({r!r}) raised {result.error!r}")
+            raise InvariantBroken(f"client {c}: {how.__name__}({r!r}) raised {result.error!r}")
         if lock.owned():
-            raise InvariantBroken(f"client {c}: owned() is True after release({r!r})")
-        if token is not None:
-            self.just_released.append((c, r, lock.key, token, healthy))
+            raise InvariantBroken(f"client {c}: owned() is True after {how.__name__}({r!r})")
+        if waited and result.value not in (True, False):
+            raise InvariantBroken(f"client {c}: release({r!r}) returned {result.value!r}, not a bool")
+        if token is None:
+            return
+        if result.value is True:
+            self._check_answered_release(c, r, lock.key, token)
+        self.just_released.append((c, r, lock.key, token, healthy))
+
+    def _check_answered_release(self, c: int, r: str, key: str, token: str) -> None:
+        """release() returned True: a quorum answered, so at most a minority can still hold
+        the token (late links may still be on their way), read at once, with no settling."""
+        if not all(server.running and not server.paused for server in self.servers):
+            return  # a master that cannot be read now
+        event("invariant 2: an answered release checked at once")
+        left_on = [m for m, value in enumerate(self._values(key)) if value == token.encode()]
+        if len(left_on) > MASTERS - QUORUM:
+            raise broken("QuorumAfterRelease", self.step)(
+                f"client {c}: release({r!r}) returned True, yet masters {left_on} still hold its "
+                f"token: {self._keys(key)}; faults: {self._faults()}; history: {self.history[(c, r)]}"
+            )
 
     @rule(seconds=st.sampled_from([0.0, 0.01, 0.05, 0.2, 0.5]))
     def wait(self, seconds: float) -> None:
@@ -777,7 +797,7 @@ class InvariantMachine(RuleBasedStateMachine):
             return
         votes = [str(v) for v in attempt.last_votes]
         keys = self._keys(lock.key)
-        attempt.release(linger=False)
+        attempt.release()
         if after > 0:  # owned before and after the probe's round: owned throughout it
             raise broken("Exclusion", self.step)(
                 f"a fresh client acquired {r!r} while client {c}'s lock says owned() "
@@ -814,7 +834,7 @@ class InvariantMachine(RuleBasedStateMachine):
         got = self._call(f"probe acquire({r!r}) after release", lambda: attempt.acquire(blocking=False))
         if got.value is True:
             event("invariant 2: acquired after a release")
-            attempt.release(linger=False)
+            attempt.release()
             return
         raise broken("FreeAfterRelease", self.step)(
             f"client {c} released {r!r}, nobody owns it and only masters {holding} hold a key, "

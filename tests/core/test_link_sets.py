@@ -4,7 +4,7 @@ d55e643 tried against them, on real masters.
 It found two faults, fixed since: a round cut short by an exception (a time limit, Ctrl-C, a green
 pool's Timeout) parked links whose replies were never read, so the next round took an old "+OK"
 for its own grant (Round._busy); and a forked child kept its parent's parked links open
-(Redlock._after_fork_in_child). The other tests guard what held: threads sharing sets while
+(FastTransport.after_fork_in_child). The other tests guard what held: threads sharing sets while
 Redlocks close and masters kill links, releases on parked links the masters closed (under the
 green pools too), and TLS links.
 """
@@ -111,7 +111,7 @@ def test_a_round_left_by_an_exception_never_counts_its_stale_replies(masters: Se
     ):
         warm = rl.lock("stale-warm", ttl=30)
         assert warm.acquire(timeout=5), warm.last_error
-        warm.release(linger=False)  # every parked link now owes the release's reply
+        warm.release_without_waiting()  # every parked link now owes the release's reply
         if not owing:
             assert warm.acquire(blocking=False), warm.last_error  # read with this reply
         interrupted_acquire(masters, rl, "stale-interrupted")
@@ -127,7 +127,7 @@ def test_a_round_left_by_an_exception_never_counts_its_stale_replies(masters: Se
             )
             assert held.owned()
         finally:
-            held.release(linger=False)
+            held.release()
             for server in masters:
                 server.flushall()
 
@@ -146,7 +146,7 @@ def test_a_round_left_by_an_exception_is_not_misread_through_late_links(masters:
     ):
         warm = rl.lock("stale-late-warm", ttl=30)
         assert warm.acquire(timeout=5), warm.last_error
-        warm.release(linger=False)
+        warm.release_without_waiting()  # the links owe its reply, as in the test above
         for server in masters[:3]:
             server.pause()
         try:
@@ -172,7 +172,7 @@ def test_a_round_left_by_an_exception_is_not_misread_through_late_links(masters:
                     f"{[v.kind for v in mine.last_votes]}"
                 )
         finally:
-            held.release(linger=False)
+            held.release()
             for server in masters:
                 server.flushall()
 
@@ -186,7 +186,7 @@ PARENT_THEN_DIES = textwrap.dedent(
     rl = Redlock(sys.argv[1:], retry_count=0)
     lock = rl.lock("fork-kept-fds", ttl=5)
     assert lock.acquire(timeout=5), lock.last_error
-    lock.release(linger=False)
+    lock.release()
     child = os.fork()
     if child == 0:
         # A prefork worker that has not locked anything yet: it waits for work (here: stdin).
@@ -202,7 +202,7 @@ PARENT_THEN_DIES = textwrap.dedent(
 def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: ServerSet) -> None:
     """A child inherits copies of its parent's sockets. Before d55e643 the fork reset
     (Master._after_fork_in_child) dropped the idle links, and with them the child's copies, at
-    once. The parked sets (Redlock._sets) have no fork reset: a child keeps its copies until a
+    once. The parked sets (FastTransport._sets) have no fork reset: a child keeps its copies until a
     round of its own pops them, one set per round (never, for a child that does not lock, or
     for the sets under its own). When the parent dies hard, its connections stay open on every
     master for as long as such a child lives. Fix: empty ``_sets`` in the child (an
@@ -229,7 +229,7 @@ def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: Serv
     assert wait_for(lambda: all(clients_of(server, NAME) == 0 for server in masters), 10.0)
 
 
-# -- 3. threads, heartbeat, linger, close and server-side kills, all at once -------------------------
+# -- 3. threads, heartbeat, close and server-side kills, all at once --------------------------------
 STRESS_SECONDS = 5.0
 
 
@@ -238,8 +238,8 @@ STRESS_SECONDS = 5.0
 def test_threads_sharing_parked_sets_under_close_and_kills(
     masters: ServerSet, chaos_kinds: tuple[int, ...]
 ) -> None:
-    """Four threads lock two resources through one Redlock (extend, heartbeat, lingering and
-    direct releases) while a fifth closes it, closes other Redlocks (each close bumps the
+    """Four threads lock two resources through one Redlock (extend, heartbeat, releases waited
+    for and not) while a fifth closes it, closes other Redlocks (each close bumps the
     generation every parked set is checked against) and has the masters kill our connections.
     Nothing but our errors is raised (a poll object or a link shared by two threads raises), no
     two threads hold one resource at once, no link is left open once the Redlock is closed, and
@@ -247,7 +247,7 @@ def test_threads_sharing_parked_sets_under_close_and_kills(
     from celery_redlock.errors import RedlockError
     from celery_redlock.lock.heartbeat import Heartbeat
 
-    rl = Redlock(named(masters.urls), retry_count=0, request_timeout=0.5, release_linger=0.05)
+    rl = Redlock(named(masters.urls), retry_count=0, request_timeout=0.5)
     heartbeat = Heartbeat(name="review-heartbeat")
     stop = threading.Event()
     holds: list[tuple[str, float, float, int]] = []
@@ -271,7 +271,10 @@ def test_threads_sharing_parked_sets_under_close_and_kills(
                 still = lock.owned()
                 end = time.monotonic()
                 heartbeat.forget(lock)
-                lock.release(linger=step % 2 == 0)
+                if step % 2 == 0:
+                    lock.release_without_waiting()
+                else:
+                    lock.release()
                 if still:
                     holds.append((name, start, end, number))
             except RedlockError:
@@ -334,7 +337,7 @@ def test_threads_sharing_parked_sets_under_close_and_kills(
         assert none_left(masters, "redlock:stress-*"), keys_on(masters, "redlock:stress-*")
     else:
         assert wait_for(lambda: none_left(masters, "redlock:stress-*"), 3.0)  # by their TTL
-    # Links per master never beyond what four threads, a heartbeat and a linger flush need.
+    # Links per master never beyond what four threads, a heartbeat and a delivery task need.
     assert max(counts, default=0) <= 8, counts
 
 
@@ -357,14 +360,14 @@ IDLE_CLOSE = textwrap.dedent(
     rl = Redlock(urls, retry_count=0)
     a, b = rl.lock("idle-a", ttl=30), rl.lock("idle-b", ttl=30)
     assert a.acquire(blocking=False) and b.acquire(blocking=False)
-    a.release(linger=False)  # every parked link owes the reply of a's release
-    assert rl._sets and all(link.owed for link in rl._sets[-1].links)
+    a.release_without_waiting()  # every parked link owes the reply of a's release
+    assert rl.transport._sets and all(link.owed for link in rl.transport._sets[-1].links)
     clients = [redis.Redis.from_url(url) for url in urls]
     deadline = time.monotonic() + 10
     while any(len(c.client_list()) > 1 for c in clients):  # until the masters closed ours
         assert time.monotonic() < deadline, "the masters never closed the idle links"
         time.sleep(0.05)
-    b.release(linger=False)  # must not be written to the closed links
+    b.release_without_waiting()  # must not be written to the closed links
     deadline = time.monotonic() + 2
     while any(c.exists("redlock:idle-b") for c in clients) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -438,9 +441,9 @@ def tls_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple
 @pytest.mark.timeout(60)
 def test_tls_links_park_owe_and_notice_a_close(tls_masters: list[tuple[object, str]]) -> None:
     """Over TLS (replies may sit decrypted inside the SSL object, where poll cannot see them):
-    many acquire/release rounds on one parked set read each owed release reply with the next
-    own reply; a link the master closed while it owed one is not written to; the set stays one
-    link per master."""
+    many acquire/release rounds on one parked set, half the releases not waited for (each owed
+    reply read with the next own reply); a link the master closed while it owed one is not
+    written to; the set stays one link per master."""
     servers = [server for server, _ in tls_masters]
     urls = [url for _, url in tls_masters]
     with (
@@ -451,7 +454,10 @@ def test_tls_links_park_owe_and_notice_a_close(tls_masters: list[tuple[object, s
             lock = rl.lock(f"tls-{step % 3}", ttl=5)
             assert lock.acquire(blocking=False), (step, lock.last_error)
             assert lock.extend(), step
-            lock.release(linger=False)
+            if step % 2:
+                lock.release_without_waiting()  # its reply is read with the next round's
+            else:
+                assert lock.release() is True, step
         # A round cut short under load closes its links and the next opens fresh ones; the master
         # may list a closed one a moment longer. More than one *for good* is the leak looked for.
         assert wait_for(lambda: [clients_of(server, NAME) for server in servers] == [1, 1, 1], 5.0), [
@@ -460,17 +466,17 @@ def test_tls_links_park_owe_and_notice_a_close(tls_masters: list[tuple[object, s
         held = other.lock("tls-held", ttl=5)
         assert held.acquire(timeout=5), held.last_error
         assert not rl.lock("tls-held", ttl=5).acquire(blocking=False)
-        held.release(linger=False)
+        held.release()
         # A parked set owing replies, its links killed by the masters; the release after it.
         keep = rl.lock("tls-kept", ttl=30)
         assert keep.acquire(blocking=False)
         rl.lock("tls-x", ttl=5).acquire(blocking=False)
-        rl.release_key("redlock:tls-x", "whatever", linger=False)  # the set owes a reply
+        rl.send_release("redlock:tls-x", "whatever")  # the set owes a reply
         for server in servers:
             client = server.client()  # type: ignore[attr-defined]
             try:
                 client.client_kill_filter(_type="normal", skipme=True)
             finally:
                 client.close()
-        keep.release(linger=False)
-        assert wait_for(lambda: not any(exists_on(server, "redlock:tls-kept") for server in servers), 2.0)
+        assert keep.release() is True  # on new links, answered by every master
+        assert not any(exists_on(server, "redlock:tls-kept") for server in servers)

@@ -156,8 +156,8 @@ def test_release_never_deletes_another_tokens_key(masters: ServerSet, rl: Redloc
 
 
 def test_a_flushed_script_cache_breaks_nothing(masters: ServerSet, rl: Redlock) -> None:
-    # Scripts travel whole (EVAL), so neither an extension nor a release that nobody waits for
-    # can meet NOSCRIPT after an operator's SCRIPT FLUSH.
+    # Scripts travel by digest; a master that lost them answers NOSCRIPT, runs nothing, and the
+    # transport sends it the source (EVAL) within the call: the extension and the release work.
     lock = rl.lock("noscript", ttl=5)
     assert lock.acquire(blocking=False)
     for server in masters:

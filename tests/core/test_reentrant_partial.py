@@ -64,7 +64,7 @@ def contender_gets_it(contender: Redlock) -> bool:
         lock = contender.lock(NAME, ttl=TTL, reentrant=True)
         got = lock.acquire(blocking=False)
         if got:
-            lock.release(linger=False)
+            lock.release()
         return bool(got)
 
     return bool(in_thread(attempt))
@@ -117,11 +117,11 @@ def test_partial_reentry_is_granted_and_harmless(
     # The late re-entries land: the masters' counts mirror the depth everywhere.
     assert wait_for(lambda: proxies.pending() == 0, 2 * DELAY + 1.0)
     assert wait_for(lambda: counts(masters, KEY) == [[2]] * 5, 1.0), counts(masters, KEY)
-    lock.release(linger=False)
+    lock.release()
     assert lock.depth == 1
     assert lock.owned()
     assert not contender_gets_it(contender)  # an inner exit never frees the lock
-    lock.release(linger=False)
+    lock.release()
     assert lock.depth == 0
     assert not lock.owned()
     proxies.heal()
@@ -142,8 +142,8 @@ def test_release_overtaking_a_late_reentry_leaves_nothing(
     assert lock.acquire(blocking=False)
     delay(proxies, direction, LONG_DELAY)
     partial_reentry(lock)
-    lock.release(linger=False)
-    lock.release(linger=False)
+    lock.release()
+    lock.release()
     assert lock.depth == 0
     proxies.heal()  # bytes already queued keep their delay; new ones pass at once
     overtaken: list[int] = []
@@ -174,12 +174,12 @@ def test_delayed_final_release_leaves_nothing(
     assert lock.acquire(blocking=False)
     assert lock.depth == 2
     assert wait_for(lambda: counts(masters, KEY) == [[2]] * 5, 1.0), counts(masters, KEY)
-    lock.release(linger=False)
+    lock.release()
     assert wait_for(lambda: counts(masters, KEY) == [[1]] * 5, 1.0), counts(masters, KEY)
     assert not contender_gets_it(contender)
     delay(proxies, direction)
     started = now()
-    lock.release(linger=False)
+    lock.release()
     assert now() - started < REQUEST_TIMEOUT + SLACK  # sent, not waited for
     assert lock.depth == 0
     assert not lock.owned()

@@ -144,7 +144,7 @@ def test_a_probe_answered_by_a_minority_cannot_queue_ahead_of_an_entry_on_a_quor
                 if lock.acquire(timeout=40, cancelled=None if cancelled is None else cancelled.is_set):
                     with mutex:
                         order.append(who)
-                    lock.release(linger=False)
+                    lock.release()
 
         d = threading.Thread(target=run, args=("D", masters.urls, d_gone), daemon=True)
         d.start()
@@ -211,7 +211,7 @@ def test_a_polling_fair_waiter_keeps_its_place_when_retry_delay_exceeds_the_entr
             lock = own.lock(name, ttl=10, fair=True)
             if lock.acquire(timeout=30):
                 order.append(who)
-                lock.release(linger=False)
+                lock.release()
 
     a = threading.Thread(target=run, args=("A", True), daemon=True)
     a.start()
@@ -274,7 +274,7 @@ def test_force_release_never_deletes_a_newer_holders_token(
     assert first.acquire(blocking=False)
     view = admin.show(rl, name)
     assert view.held
-    first.release(linger=False)
+    first.release()
     second = rl.lock(name, ttl=20, **options)  # type: ignore[call-overload]
     assert wait_for(lambda: second.acquire(blocking=False), 5)
     done = admin.force_release(rl, view, by="review")
@@ -316,7 +316,7 @@ def test_force_release_racing_acquisitions_never_deletes_a_live_token(
                     view = admin.show(own, name)
                     if view.token != token and token not in released_tokens:
                         violations.append(f"{token[:12]} lost without being shown: {view.token}")
-                    lock.release(linger=False)
+                    lock.release()
 
     threads = [threading.Thread(target=operator, daemon=True)]
     threads += [threading.Thread(target=client, args=(i % 2 == 0,), daemon=True) for i in range(4)]
@@ -409,7 +409,7 @@ def test_mixed_fair_plain_clients_with_cancellations_keep_exclusion_and_leave_no
             give_up = time.monotonic() + rng.uniform(0.0, 0.3)
             if lock.acquire(timeout=2, cancelled=lambda until=give_up: time.monotonic() > until):
                 hold()
-                lock.release(linger=False)
+                lock.release()
 
     threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(6)]
     try:
@@ -474,7 +474,7 @@ def test_ls_limit_is_not_used_up_by_fence_counters(masters: ServerSet, rl: Redlo
     for i in range(30):
         fenced = rl.lock(f"f{i:02d}", ttl=5, fenced=True)
         assert fenced.acquire(blocking=False)
-        fenced.release(linger=False)
+        fenced.release()
     held = rl.lock("zz-held", ttl=20)
     assert held.acquire(blocking=False)
     try:

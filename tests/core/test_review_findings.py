@@ -60,7 +60,7 @@ def test_release_right_after_masters_return_is_not_dropped_during_reconnect_back
             time.sleep(0.05)
         assert lock.owned()  # a 30 s lock outlives a 2 s blip
         proxies.heal()  # synchronous: every proxy forwards again from here on
-        lock.release(linger=False)
+        lock.release()
         assert wait_for(lambda: not any(keys_on(masters).values()), 1.0), (
             f"release() returned with every master up, but the key is still held: {keys_on(masters)}"
         )
@@ -81,7 +81,7 @@ def test_concurrent_releases_beyond_max_connecting_are_not_dropped(masters: Serv
 
         def release(lock: Lock) -> None:
             barrier.wait(10)
-            lock.release(linger=False)
+            lock.release()
 
         _run_at_once([threading.Thread(target=release, args=(lock,)) for lock in locks])
         assert wait_for(lambda: not any(keys_on(masters).values()), 1.0), (
@@ -106,5 +106,5 @@ def test_concurrent_uncontended_acquires_on_healthy_masters_all_succeed(masters:
         _run_at_once([threading.Thread(target=acquire, args=(k,)) for k in range(THREADS)])
         failed = {k: str(locks[k].last_error) for k, ok in results.items() if not ok}
         for lock in locks:
-            lock.release(linger=False)
+            lock.release()
         assert not failed, f"{len(failed)} of {THREADS} uncontended acquires failed: {failed}"

@@ -108,7 +108,6 @@ NUMERIC_SETTINGS = [
     "redlock_heartbeat_interval",
     "redlock_retry_backoff",
     "redlock_retry_backoff_max",
-    "redlock_release_linger",
     "redlock_wait_timeout",
 ]
 
@@ -152,7 +151,7 @@ def test_task_options(option: str, value: object, says: str) -> None:
     app = Celery("validation", set_as_current=False)
 
     def define() -> None:
-        @app.task(base=RedlockTask, name="validation.job", lazy=False, **{option: value})
+        @app.task(base=RedlockTask, name="validation.job", lazy=False, shared=False, **{option: value})
         def job() -> None: ...
 
     refused(define, f"'validation.job': {option}", says)
@@ -186,7 +185,7 @@ def test_heartbeat_keep(rl: Redlock, option: str, value: object, says: str) -> N
         refused(lambda: heartbeat.keep(lock, **{option: value}), option, says)
         assert heartbeat.kept() == []
     finally:
-        lock.release(linger=False)
+        lock.release()
         heartbeat.stop()
 
 
@@ -194,7 +193,7 @@ def test_bounds_keep_their_messages() -> None:
     # Messages that operators' runbooks and the docs quote.
     refused(lambda: Redlock(NOWHERE, ttl=0), "ttl", "must be > 0")
     refused(lambda: Redlock(NOWHERE, drift_factor=0.5), "drift_factor", "must be < 0.5")
-    refused(lambda: Redlock(NOWHERE, release_linger=2), "release_linger", "must be at most 1.0")
+    refused(lambda: Redlock(NOWHERE, release_linger=-1), "release_linger", "must be >= 0")
     refused(lambda: Redlock(NOWHERE, retry_count=-1), "retry_count", "must be an int >= 0")
     refused(
         lambda: read_settings({"redlock_masters": NOWHERE, "redlock_contended": "sometimes"}),

@@ -61,7 +61,7 @@ def handoff(holder: Redlock, waiter: Redlock, name: str, free: object = None) ->
         lock = waiter.lock(name, ttl=10)
         result["ok"] = lock.acquire(timeout=8)
         result["at"] = time.monotonic()
-        lock.release(linger=False)
+        lock.release()
 
     thread = threading.Thread(target=wait, daemon=True)
     thread.start()
@@ -70,7 +70,7 @@ def handoff(holder: Redlock, waiter: Redlock, name: str, free: object = None) ->
     time.sleep(0.05)  # past its second attempt (the one after joining), into the sleep
     released = time.monotonic()
     if free is None:
-        held.release(linger=False)
+        held.release()
     else:
         free(held)  # type: ignore[operator]
     thread.join(10)
@@ -95,10 +95,10 @@ def test_release_publishes_only_what_it_deletes(masters: ServerSet, rl: Redlock)
     try:
         pubsub.subscribe("redlock:published")
         assert pubsub.get_message(timeout=2)["type"] == "subscribe"
-        rl.release_key("redlock:published", "not-held", linger=False)  # deletes nothing
+        assert rl.release_key("redlock:published", "not-held") is True  # answered; deletes nothing
         lock = rl.lock("published", ttl=5)
         assert lock.acquire(blocking=False)
-        lock.release(linger=False)
+        lock.release()
         message = pubsub.get_message(timeout=2)
         assert message is not None and message["type"] == "message", message
         assert message["data"] == b"*"
@@ -140,7 +140,7 @@ def test_listening_links_killed_before_the_release(masters: ServerSet, pair: tup
                 client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
             finally:
                 client.close()
-        held.release(linger=False)
+        held.release()
 
     assert handoff(holder, waiter, "killed", kill_then_release) < 1.5
 
@@ -154,7 +154,7 @@ def test_timeout_bounds_the_call(rl: Redlock, masters: ServerSet) -> None:
             assert not waiter.lock("bounded", ttl=10).acquire(timeout=timeout)
             took = time.monotonic() - started
             assert timeout <= took < timeout + 0.2 + 0.2, (timeout, took)  # + request_timeout + slack
-        held.release(linger=False)
+        held.release()
 
 
 @pytest.mark.parametrize("forever", [-1, math.inf])
@@ -162,13 +162,13 @@ def test_no_limit_waits_until_the_release(pair: tuple[Redlock, Redlock], forever
     holder, waiter = pair
     held = holder.lock("forever", ttl=10)
     assert held.acquire(blocking=False)
-    timer = threading.Timer(0.5, held.release, kwargs={"linger": False})
+    timer = threading.Timer(0.5, held.release)
     timer.start()
     started = time.monotonic()
     lock = waiter.lock("forever", ttl=10)
     assert lock.acquire(timeout=forever)
     assert 0.4 < time.monotonic() - started < 2.0
-    lock.release(linger=False)
+    lock.release()
     timer.join()
 
 
@@ -203,7 +203,7 @@ def test_cancelled_ends_the_wait(pair: tuple[Redlock, Redlock]) -> None:
     started = time.monotonic()
     assert not waiter.lock("cancel", ttl=10).acquire(timeout=8, cancelled=lambda: time.monotonic() > stop_at)
     assert time.monotonic() - started < 0.3 + 0.5 + 0.3  # one sleep slice after the cancel, at most
-    held.release(linger=False)
+    held.release()
 
 
 def test_one_listening_link_per_master(masters: ServerSet, pair: tuple[Redlock, Redlock]) -> None:
@@ -221,7 +221,7 @@ def test_one_listening_link_per_master(masters: ServerSet, pair: tuple[Redlock, 
             lock = waiter.lock(name, ttl=10)
             if lock.acquire(timeout=8):
                 got.append(name)
-                lock.release(linger=False)
+                lock.release()
         except BaseException as exc:  # reported by the test thread
             errors.append(exc)
 
@@ -232,7 +232,7 @@ def test_one_listening_link_per_master(masters: ServerSet, pair: tuple[Redlock, 
     time.sleep(0.2)
     assert [now - then for now, then in zip(pubsub_clients(masters), before, strict=True)] == [1] * 5
     for lock in held:
-        lock.release(linger=False)
+        lock.release()
     for thread in threads:
         thread.join(15)
     assert not errors, errors
@@ -246,10 +246,10 @@ def test_poll_mode_opens_no_listening_link(masters: ServerSet) -> None:
     ):
         held = holder.lock("polled", ttl=10)
         assert held.acquire(blocking=False)
-        threading.Timer(0.3, held.release, kwargs={"linger": False}).start()
+        threading.Timer(0.3, held.release).start()
         lock = waiter.lock("polled", ttl=10)
         assert lock.acquire(timeout=5)
-        lock.release(linger=False)
+        lock.release()
         assert waiter._subscriber._thread is None
         assert pubsub_clients_of(waiter) == [0] * 5
 
@@ -279,7 +279,7 @@ def test_forked_child_waits_on_its_own(pair: tuple[Redlock, Redlock]) -> None:
     handoff(holder, waiter, "fork-warm")  # the parent's listening thread runs
     held = holder.lock("fork", ttl=10)
     assert held.acquire(blocking=False)
-    threading.Timer(0.5, held.release, kwargs={"linger": False}).start()
+    threading.Timer(0.5, held.release).start()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's outcome is its exit code
         code = 1
@@ -289,7 +289,7 @@ def test_forked_child_waits_on_its_own(pair: tuple[Redlock, Redlock]) -> None:
             started = time.monotonic()
             ok = lock.acquire(timeout=5)
             code = 0 if inherited and ok and time.monotonic() - started < 1.5 else 3
-            lock.release(linger=False)
+            lock.release()
         finally:
             os._exit(code)
     deadline = time.monotonic() + 15
@@ -331,7 +331,7 @@ def test_waiters_never_overlap(masters: ServerSet) -> None:
                 with mutex:
                     inside.remove(n)
                     done.append(n)
-                lock.release(linger=False)
+                lock.release()
 
         threads = [
             threading.Thread(target=worker, args=((one, two)[n % 2], n), daemon=True) for n in range(8)
@@ -362,4 +362,4 @@ def test_woken_when_an_abandoned_lock_expires(masters: ServerSet) -> None:
         assert lock.acquire(timeout=8)
         took = time.monotonic() - taken_at
         assert 0.9 < took < 1.0 + 0.3, took  # the TTL, plus a round and slack for load
-        lock.release(linger=False)
+        lock.release()

@@ -58,13 +58,13 @@ def test_split_vote_waiter_retries_within_wait_poll_of_the_release(masters: Serv
             result["ok"] = lock.acquire(timeout=6)
             result["at"] = time.monotonic()
             if result["ok"]:
-                lock.release(linger=False)
+                lock.release()
 
         thread = threading.Thread(target=wait, daemon=True)
         thread.start()
         time.sleep(1.2)  # several split attempts, asleep in the room
         released = time.monotonic()
-        held.release(linger=False)
+        held.release()
         thread.join(15)
         assert result.get("ok") is True, result
         took = float(result["at"]) - released  # type: ignore[arg-type]
@@ -92,19 +92,19 @@ def test_split_vote_wait_sees_cancelled_within_half_a_second(masters: ServerSet)
             result["ok"] = lock.acquire(timeout=6, cancelled=cancel.is_set)
             result["at"] = time.monotonic()
             if result["ok"]:
-                lock.release(linger=False)
+                lock.release()
 
         thread = threading.Thread(target=wait, daemon=True)
         thread.start()
         time.sleep(1.2)
-        first.release(linger=False)
+        first.release()
         second = two.lock("split-cancel", ttl=20)
         assert second.acquire(timeout=2)  # held again: the waiter has nothing to win
         time.sleep(0.1)  # the waiter's notice arrived; it is in its post-notice sleep
         cancelled_at = time.monotonic()
         cancel.set()
         thread.join(15)
-        second.release(linger=False)
+        second.release()
         assert result.get("ok") is False, result
         took = float(result["at"]) - cancelled_at  # type: ignore[arg-type]
         assert took < 0.5 + 0.2 + 0.5, took  # a sleep slice + a round + slack
@@ -137,13 +137,13 @@ def test_a_master_refusing_subscribe_does_not_hold_up_every_join(
         for n in range(3):  # the first join may also wait for connects: look at later ones too
             held = holder.lock(f"noperm-{n}", ttl=10)
             assert held.acquire(blocking=False)
-            timer = threading.Timer(0.2, held.release, kwargs={"linger": False})
+            timer = threading.Timer(0.2, held.release)
             started = time.monotonic()
             timer.start()
             lock = waiter.lock(f"noperm-{n}", ttl=10)
             assert lock.acquire(timeout=5)
             took = time.monotonic() - started
-            lock.release(linger=False)
+            lock.release()
             timer.join()
             if n:
                 assert took < 0.2 + 0.3, (n, took)
@@ -166,10 +166,10 @@ def test_an_unsubscribed_listening_link_is_not_taken_for_dead(
     ):
         held = holder.lock("idle-ping", ttl=10)
         assert held.acquire(blocking=False)
-        threading.Timer(0.2, held.release, kwargs={"linger": False}).start()
+        threading.Timer(0.2, held.release).start()
         lock = waiter.lock("idle-ping", ttl=10)
         assert lock.acquire(timeout=5)
-        lock.release(linger=False)
+        lock.release()
         listeners = waiter._subscriber._listeners
         # The room lingers out and is unsubscribed; the links stay, idle.
         assert wait_for(lambda: not waiter._subscriber._rooms and all(lst.link for lst in listeners), 3.0)
@@ -229,8 +229,8 @@ def test_cancelled_is_not_called_holding_the_subscribers_condition(masters: Serv
             thread.start()
         for thread in threads:
             thread.join(15)
-        a_held.release(linger=False)
-        b_held.release(linger=False)
+        a_held.release()
+        b_held.release()
         assert done.get("b") is False, done
         assert float(done["b_took"]) < 1 + 0.2 + 0.3, done  # type: ignore[arg-type]
 
@@ -277,7 +277,7 @@ def test_randomized_handoffs_under_pubsub_kills_and_pauses(masters: ServerSet, s
             with mutex:
                 inside.remove(n)
                 events.append((time.monotonic(), "rel"))
-            lock.release(linger=False)
+            lock.release()
             time.sleep(r.choice([0.0, 0.0, 0.005]))
 
     def chaos() -> None:

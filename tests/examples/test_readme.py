@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_redlock.celery import beat, settings
+from celery_redlock.celery import beat, beatconf, settings
 from celery_redlock.celery.task import RedlockTaskMixin
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,7 +95,8 @@ def test_covered_blocks_name_what_their_tests_run() -> None:
 
 def test_settings_table_lists_every_setting_and_task_option() -> None:
     names = set(settings.DEFAULTS)
-    names |= set(re.findall(r"redlock_beat_\w+", inspect.getsource(beat)))
+    for module in (beat, beatconf):
+        names |= set(re.findall(r"redlock_beat_\w+", inspect.getsource(module)))
     names |= {
         n
         for n in vars(RedlockTaskMixin)

@@ -84,8 +84,12 @@ def _note_acquired(
 
 
 @lock_signals.lock_contended.connect  # type: ignore[untyped-decorator]
-def _note_contended(sender: Any = None, error: Any = None, **_: Any) -> None:
+def _note_contended(
+    sender: Any = None, task_id: str = "", policy: str = "", error: Any = None, **_: Any
+) -> None:
     register().client.hincrby(CELERY_FAILURES, failure_reason(error), 1)
+    if policy != "retry":  # the run ends here, refused (skip, fail, exhausted): one way to end
+        register().record({"kind": "gave-up", "task_id": task_id, "policy": policy}, key=EVENTS)
 
 
 @app.task(
@@ -124,6 +128,7 @@ def _rmw(self: Any, resource: str, hold: float) -> None:
     record: dict[str, Any] = {
         "kind": "hold",
         "client": client,
+        "task_id": self.request.id,  # every published task must end exactly once (lost work)
         "resource": resource,
         **acquired,
         "t_released": None,

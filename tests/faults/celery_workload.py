@@ -15,9 +15,12 @@ from celery import Celery
 
 from celery_redlock.testing import CeleryWorker
 
-from .register import Register, is_fenced
+from .register import EVENTS, Register, is_fenced
 
 CONCURRENCY = 2
+# After production stops: how long the tasks still queued or retrying get to end. Draining takes
+# a few seconds (a few holds per pool child, plus lock retries); the nemesis has stopped by then.
+DRAIN_TIMEOUT = 30.0
 
 
 @contextmanager
@@ -76,7 +79,11 @@ def produce(
     outstanding: int,
 ) -> int:
     """Publish ``faults.rmw`` calls until ``until``, keeping about ``outstanding`` unfinished
-    (a contended call is republished by the task itself and stays unfinished). Returns how many."""
+    (a contended call is republished by the task itself and stays unfinished), then wait until
+    every one has ended (see :func:`drain`). Returns how many.
+
+    Each task id is recorded as a ``published`` event: the checker counts as lost work every
+    published task that did not end exactly once (see ``checker.lost_work``)."""
     producer = Celery("faults-producer", broker=broker)
     published = 0
     try:
@@ -84,14 +91,34 @@ def produce(
             finished = register.count()
             for _ in range(max(0, outstanding - (published - finished))):
                 resource = rng.choice(list(resources))
+                task_id = uuid.uuid4().hex
                 producer.send_task(
                     "faults.rmw_fenced" if is_fenced(resource) else "faults.rmw",
                     args=[resource, rng.uniform(*hold) * ttl],
                     queue=queue,
-                    task_id=uuid.uuid4().hex,
+                    task_id=task_id,
                 )
+                register.record({"kind": "published", "task_id": task_id}, key=EVENTS)
                 published += 1
             time.sleep(0.05)  # pacing the producer's polls, not synchronisation
     finally:
         producer.close()
+    drain(register, time.monotonic() + DRAIN_TIMEOUT)
     return published
+
+
+def drain(register: Register, deadline: float) -> bool:
+    """Wait until every published task has ended (a hold recorded, or refused for good), or the
+    deadline: the tasks still queued or retrying when production stops are not lost, only not
+    finished yet, and the workers must not be stopped under them. True once all have ended; a
+    task still unended at the deadline is reported as lost work by the checker."""
+    while True:
+        events = register.records(EVENTS)
+        published = {e["task_id"] for e in events if e["kind"] == "published"}
+        ended = {e["task_id"] for e in events if e["kind"] == "gave-up"}
+        ended |= {r.get("task_id") for r in register.records() if r["kind"] == "hold"}
+        if published <= ended:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)  # pacing the polls of the register

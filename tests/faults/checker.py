@@ -15,6 +15,13 @@ in time are not ordered. With both kept, ordering the grants by fence is a linea
 agrees with real time. A fenced register's accepted writes, replayed in fence order, must then
 read 1, 2, ..., n (``fenced_lost_updates``): that catches a lost update and any write accepted
 out of fence order, whatever order the log shows.
+
+Lost work (the Celery scenarios): every task the producer published (a ``published`` event) must
+end exactly one way: run once (one hold record carries its task id, whatever the hold saw: a
+lost lock, a refused fenced write), or be refused for good (a ``gave-up`` event: skip, fail, or
+its lock retries exhausted). A task that never ended, ran twice, or ran and was refused too is
+lost work (``lost_work``). The full rule, that a refusal names a holder that was holding, is
+checked on real workers by ``tests/progress``.
 """
 
 from __future__ import annotations
@@ -111,12 +118,19 @@ class Report:
     stale_plain: int = 0
     stale_fenced_accepted: int = 0
     stale_fenced_refused: int = 0
+    # Celery runs: tasks published, and of them those that did not end exactly once.
+    published: int = 0
+    lost_work: int = 0
 
     def problems(self, plain_lost: Literal["forbidden", "required"] = "forbidden") -> list[str]:
-        """Safety violations: empty when the run kept mutual exclusion and the fences' order.
-        ``plain_lost="required"``: lost updates on the plain resources are the point (a stale
-        writer's), not a violation."""
+        """Safety and progress violations: empty when the run kept mutual exclusion and the
+        fences' order, and lost no published task. ``plain_lost="required"``: lost updates on
+        the plain resources are the point (a stale writer's), not a violation."""
         found = [f"overlap {pair}" for pair in self.overlaps]
+        if self.lost_work:
+            found.append(
+                f"lost work: {self.lost_work} of {self.published} published task(s) did not end exactly once"
+            )
         if self.lost_updates and plain_lost == "forbidden":
             found.append(f"{self.lost_updates} lost update(s) in the register")
         found += [
@@ -137,6 +151,13 @@ def lost_updates(log: Sequence[int], final: int) -> int:
     raised the counter by one from the value it read."""
     duplicates = len(log) - len(set(log))
     return max(duplicates, len(log) - final)
+
+
+def lost_work(published: Iterable[str], ran: Iterable[str], refused: Iterable[str]) -> int:
+    """Published task ids that did not end exactly one way: ``ran`` has a task id once per
+    execution that recorded its hold, ``refused`` once per run refused for good."""
+    endings = Counter(ran) + Counter(refused)
+    return sum(1 for task_id in set(published) if endings[task_id] != 1)
 
 
 def fenced_lost_updates(entries: Iterable[tuple[int, int]], final: int) -> int:
@@ -218,12 +239,16 @@ def check(
     """``records``: hold and summary records; ``logs``: per plain resource, the values written in
     order; ``counters``: per resource, the register's final value; ``fenced_logs``: per fenced
     resource, (value, fence) per accepted write; ``refused``: per fenced resource, the register's
-    refusals; ``events``: the nemeses' events (here, the stale writes)."""
+    refusals; ``events``: the nemeses' events (here, the stale writes) and, in a Celery run, the
+    tasks published and the runs refused for good (lost work)."""
     report = Report()
     holds = []
+    ran = []
     for record in records:
         if record["kind"] == "hold":
             holds.append(Hold.from_record(record))
+            if "task_id" in record:
+                ran.append(record["task_id"])
         elif record["kind"] == "summary":
             report.failures.update(record["failures"])
     report.holds = len(holds)
@@ -242,6 +267,11 @@ def check(
         fenced_lost_updates(log, counters.get(resource, 0)) for resource, log in fenced_logs.items()
     )
     report.refused = sum((refused or {}).values())
+    events = list(events)
+    published = [e["task_id"] for e in events if e["kind"] == "published"]
+    report.published = len(published)
+    final = [e["task_id"] for e in events if e["kind"] == "gave-up"]
+    report.lost_work = lost_work(published, ran, final)
     for event in events:
         if event["kind"] != "stale-write":
             continue

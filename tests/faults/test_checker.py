@@ -15,6 +15,7 @@ from .checker import (
     fence_violations,
     fenced_lost_updates,
     lost_updates,
+    lost_work,
     max_unavailable,
 )
 
@@ -226,3 +227,49 @@ def test_a_scenario_built_to_break_fences_fails_if_the_check_finds_nothing() -> 
     assert result("fence-clock-ahead-fsync", forwards).problems() == []
     [problem] = result("fence-clock-ahead-fsync", backwards).problems()
     assert problem.startswith("fence violation f: a was granted fence 60000010")
+
+
+def test_lost_work_counts_published_tasks_that_did_not_end_exactly_once() -> None:
+    published = ["ran", "refused", "never", "twice", "both"]
+    ran = ["ran", "twice", "twice", "both", "not-published"]
+    refused = ["refused", "both"]
+    # never: no ending; twice: two runs; both: a run and a refusal. The rest ended once.
+    assert lost_work(published, ran, refused) == 3
+    assert lost_work(["a", "b"], ["a", "b"], []) == 0
+    assert lost_work([], ["a"], []) == 0
+
+
+def test_check_reports_lost_work_from_the_published_events() -> None:
+    def record(client: str, task_id: str, start: float) -> dict[str, Any]:
+        h = hold(client, start, start + 1.0, start + 0.5)
+        return {
+            "kind": "hold",
+            "client": h.client,
+            "task_id": task_id,
+            "resource": h.resource,
+            "token": h.token,
+            "t_acquired": h.t_acquired,
+            "validity_end": h.validity_end,
+            "t_released": h.t_released,
+            "yes": 3,
+            "quorum": 3,
+            "wrote": True,
+            "lost": "",
+        }
+
+    records = [record("w1", "t1", 0.0), record("w2", "t2", 1.0)]
+    events: list[dict[str, Any]] = [
+        {"kind": "published", "task_id": "t1"},
+        {"kind": "published", "task_id": "t2"},
+        {"kind": "published", "task_id": "t3"},
+        {"kind": "gave-up", "task_id": "t3", "policy": "skip"},
+    ]
+    report = check(records, {"r": [1, 2]}, {"r": 2}, events=events)
+    assert (report.published, report.lost_work, report.problems()) == (3, 0, [])
+    events.append({"kind": "published", "task_id": "t4"})  # never ended
+    records.append(record("w1", "t1", 2.0))  # ran a second time
+    report = check(records, {"r": [1, 2, 3]}, {"r": 3}, events=events)
+    assert report.lost_work == 2
+    assert report.problems() == ["lost work: 2 of 4 published task(s) did not end exactly once"]
+    # Runs that publish nothing (the client workloads) have no lost work to count.
+    assert check(records, {"r": [1, 2, 3]}, {"r": 3}).lost_work == 0

@@ -1,0 +1,142 @@
+"""The markers queued messages carry: what a message's ``redlock_marker`` header says, and
+what deletes a marker that no run will take over (see :mod:`.enqueue` for the whole story).
+
+- :func:`release_revoked_marker` (``task_revoked``): a queued message revoked or expired;
+- :func:`drop_abandoned_marker` (``lock_contended``): a run that gives up its lock (skipped,
+  failed, out of lock retries) instead of taking its key over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ..lock import markers
+from ..lock.holder import parse
+from ..lock.markers import side_key
+from ..lock.redlock import Redlock
+from ..lock.resource import HOLDER_SEPARATOR, lock_key
+from .settings import app_settings_and_redlock
+
+logger = logging.getLogger("celery_redlock.enqueue")
+
+#: The message header that carries the marker: ``{"name": resource name, "value": marker value}``.
+MARKER_HEADER = "redlock_marker"
+
+
+def masters_fingerprint(redlock: Redlock) -> str:
+    """A short digest of the masters a marker was taken on (their names, in order of name)."""
+    names = "\n".join(sorted(master.name for master in redlock.masters))
+    return hashlib.sha256(names.encode()).hexdigest()[:12]
+
+
+def carried_fingerprint(request: Any) -> str | None:
+    raw = _header(request)
+    value = raw.get("masters") if isinstance(raw, Mapping) else None
+    return value if isinstance(value, str) else None
+
+
+def marker_of(request: Any) -> tuple[str, str] | None:
+    """(resource name, marker value) from a request's ``redlock_marker`` header, if any."""
+    raw = _header(request)
+    if isinstance(raw, Mapping):
+        name, value = raw.get("name"), raw.get("value")
+        if isinstance(name, str) and isinstance(value, str):
+            return name, value
+    return None
+
+
+def _header(request: Any) -> Any:
+    raw = getattr(request, MARKER_HEADER, None)
+    if raw is None:
+        headers = getattr(request, "headers", None)
+        if isinstance(headers, Mapping):
+            raw = headers.get(MARKER_HEADER)
+    if raw is None:
+        request_dict = getattr(request, "request_dict", None)  # a worker Request, not a Context
+        if isinstance(request_dict, Mapping):
+            raw = request_dict.get(MARKER_HEADER)
+    return raw
+
+
+def release_revoked_marker(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """``task_revoked``: a queued message revoked (or expired) before its run will never take its
+    key over; delete its marker, by value, so the key is free at once. A run that already took
+    the key over left no marker to delete (the compare finds its token), and is released by its
+    own exit path."""
+    carried = marker_of(request)
+    if carried is None:
+        return
+    app = getattr(sender, "app", None)
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    task_id = getattr(request, "id", None)
+    try:
+        redlock = app_settings_and_redlock(app)[1]
+        owner = getattr(sender, "name", None)
+        side = side_key(redlock.key_prefix, carried[0], owner) if isinstance(owner, str) else None
+        markers.drop(redlock, carried[0], carried[1], side)
+        if isinstance(task_id, str) and _run_holds(redlock, carried[0], task_id):
+            # A retry copy discarded while the run that published it still holds the key: that
+            # run swaps its lock for this very marker when it ends (REQUEUE), after this drop.
+            # Drop it again once it is there (bounded by the marker's own TTL).
+            threading.Thread(
+                target=_drop_when_handed_back,
+                args=(redlock, carried[0], carried[1], task_id),
+                name="redlock-revoked-marker",
+                daemon=True,
+            ).start()
+    except Exception:  # a signal handler's failure is logged by nobody else
+        logger.exception("deleting the marker of revoked task %s failed", task_id or "?")
+        return
+    logger.info("task %s revoked: its marker on %s deleted", task_id or "?", carried[0])
+
+
+def drop_abandoned_marker(
+    sender: Any = None, key: str | None = None, policy: str | None = None, **_: Any
+) -> None:
+    """``lock_contended``: a run that gives up its lock (skipped, failed, out of lock retries)
+    will never take its key over; delete its message's marker, by value, wherever it waits (on
+    the lock key, or beside it on the task's side key). A retried run keeps it: the retried
+    message carries it on."""
+    request = getattr(sender, "request", None)
+    carried = None if policy == "retry" or request is None else marker_of(request)
+    if carried is None or carried[0] != key:
+        return
+    try:
+        redlock = app_settings_and_redlock(sender.app)[1]
+        markers.drop(redlock, carried[0], carried[1], side_key(redlock.key_prefix, carried[0], sender.name))
+    except Exception:  # a signal handler's failure is logged by nobody else
+        logger.exception("deleting the marker of task %s (%s) failed", getattr(request, "id", "?"), policy)
+
+
+def _run_holds(redlock: Redlock, name: str, task_id: str) -> bool:
+    """Whether a run of ``task_id`` (not a marker) holds ``name`` on any master."""
+    for value in redlock.read_everywhere(lock_key(redlock.key_prefix, name)):
+        record = (
+            None if value is None else parse(value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)[2])
+        )
+        if record is not None and record.task == task_id and not record.queued:
+            return True
+    return False
+
+
+def _drop_when_handed_back(redlock: Redlock, name: str, value: str, task_id: str) -> None:
+    """Poll until the run of ``task_id`` let go of ``name``; delete the marker ``value`` if it
+    was handed to it. Gives up with the marker's TTL, when it would be gone anyway."""
+    record = parse(value.partition(HOLDER_SEPARATOR)[2])
+    deadline = time.monotonic() + (record.ttl if record is not None and record.ttl is not None else 3600.0)
+    wanted = value.encode()
+    while time.monotonic() < deadline:
+        values = redlock.read_everywhere(lock_key(redlock.key_prefix, name))
+        if wanted in values:
+            markers.drop(redlock, name, value)
+        elif not _run_holds(redlock, name, task_id):
+            return
+        time.sleep(0.25)

@@ -1,0 +1,1 @@
+"""Planted bugs and the tests that must catch them: ``python -m tests.mutations.run``."""

@@ -1,0 +1,524 @@
+"""The planted bugs :mod:`tests.mutations.run` runs: each is a list of exact text replacements
+in the library and the tests that must catch it.
+
+An edit's ``old`` text must occur exactly once in its file, or the mutant is *stale*: the code
+moved on, and the mutant must be written again against it. Texts are kept to the few lines that
+carry the rule (with just enough context to be unique), so an unrelated edit elsewhere in the
+file leaves them valid. ``tests`` are pytest node ids (a file, a function, or one
+parametrization such as ``[embedded]``), chosen so each mutant runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Edit:
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once in the file
+    new: str
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    breaks: str  # what the planted bug breaks, in a few words
+    tests: tuple[str, ...]
+    edits: tuple[Edit, ...]
+
+
+REDLOCK = "celery_redlock/lock/redlock.py"
+RESOURCE = "celery_redlock/lock/resource.py"
+SCRIPTS = "celery_redlock/lock/scripts.py"
+FENCING = "celery_redlock/lock/fencing.py"
+TASK = "celery_redlock/celery/task.py"
+TRACER = "celery_redlock/celery/tracer.py"
+TALLY = "celery_redlock/lock/tally.py"
+ROUND = "celery_redlock/lock/transport/round.py"
+REFERENCE = "celery_redlock/lock/transport/reference.py"
+MASTER = "celery_redlock/lock/transport/master.py"
+NOSCRIPT_TESTS = "tests/core/test_noscript.py::"
+RUNSTATE = "celery_redlock/celery/runstate.py"
+REVIEW26 = "tests/review26/test_review26_transports.py"
+REVIEW26_RUNS = "tests/review26/test_review26_runstate.py"
+
+# The counter's reading, max(counter, clock in us), taken in a step of its own before the SET:
+# what FENCED_ACQUIRE reads, but no longer in the step that sets the key.
+_EARLY_READ = (
+    "local t = redis.call('TIME') local c = t[1] * 1000000 + t[2] "
+    "local s = tonumber(redis.call('GET', KEYS[1]) or '0') if s > c then c = s end return c"
+)
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "quorum_off_by_one",
+        "quorum N//2: two disjoint 'majorities' of 4 masters",
+        ("tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded]",),
+        (
+            Edit(
+                REDLOCK,
+                "self.quorum = len(self.masters) // 2 + 1",
+                "self.quorum = len(self.masters) // 2",
+            ),
+        ),
+    ),
+    Mutant(
+        "validity_ignores_elapsed",
+        "a round slower than the TTL still grants; validity from the reply",
+        (
+            "tests/core/test_lock_semantics.py::test_acquire_true_while_owned_false_when_connecting_is_slow"
+            "[embedded]",
+            "tests/core/test_failures.py::test_validity_counts_from_before_the_round_not_from_when_it_is_read"
+            "[embedded]",
+        ),
+        (
+            Edit(
+                REDLOCK,
+                "            validity = ttl - elapsed - self.drift(ttl)\n            if expiry is not None:",
+                "            validity = ttl - self.drift(ttl)\n            if expiry is not None:",
+            ),
+            Edit(
+                RESOURCE,
+                "valid_until = started + self.ttl - redlock.drift(self.ttl)",
+                "valid_until = now() + self.ttl - redlock.drift(self.ttl)",
+            ),
+        ),
+    ),
+    Mutant(
+        "validity_ignores_drift",
+        "validity ends when the masters' keys do, not a drift earlier",
+        (
+            "tests/core/test_validity_drift.py::test_validity_ends_a_drift_before_any_master_lets_the_key_go[embedded]",
+        ),
+        (Edit(REDLOCK, "return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR", "return 0.0"),),
+    ),
+    Mutant(
+        "failed_acquire_not_retracted",
+        "a failed attempt leaves its keys on the masters that granted",
+        ("tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded]",),
+        (
+            Edit(
+                TALLY,
+                'return [None if vote.kind == "held" else release for vote in votes]',
+                "return [None for vote in votes]",
+            ),
+        ),
+    ),
+    Mutant(
+        "release_without_compare",
+        "release deletes another token's key (DEL without GET == token)",
+        ("tests/core/test_quorum.py::test_release_never_deletes_another_tokens_key[embedded]",),
+        (
+            Edit(
+                SCRIPTS,
+                '"release",\n    """\nif redis.call(\'GET\', KEYS[1]) == ARGV[1] then',
+                '"release",\n    """\nif redis.call(\'EXISTS\', KEYS[1]) == 1 then',
+            ),
+        ),
+    ),
+    Mutant(
+        "extend_revives_expired",
+        "an extension sets a key that had expired (no token check when absent)",
+        (
+            "tests/core/test_extend_expired.py::"
+            "test_the_extend_script_creates_no_key_and_leaves_another_tokens_alone[embedded]",
+            "tests/core/test_extend_expired.py::test_a_key_expired_on_a_majority_is_not_revived_by_the_extension",
+        ),
+        (
+            Edit(
+                SCRIPTS,
+                '"extend",\n    """\nif redis.call(\'GET\', KEYS[1]) == ARGV[1] then',
+                '"extend",\n    """\n'
+                "if redis.call('SET', KEYS[1], ARGV[1], 'NX') or redis.call('GET', KEYS[1]) == ARGV[1] then",
+            ),
+        ),
+    ),
+    Mutant(
+        "fence_minority_write_back",
+        "a fence recorded by a minority is granted; a later quorum repeats it",
+        ("tests/core/test_fence_minority.py",),
+        (
+            Edit(
+                FENCING,
+                "if recorded >= redlock.quorum and validity > 0:",
+                "if recorded >= 1 and validity > 0:",
+            ),
+        ),
+    ),
+    Mutant(
+        "fence_read_outside_acquire",
+        "the counter read in a step before the SET: a later hold gets a lower fence",
+        (
+            "tests/core/test_fence_read_order.py::test_a_later_hold_carries_the_larger_fence_when_the_grants_overlap[embedded]",
+        ),
+        (
+            Edit(
+                FENCING,
+                "    with redlock._round() as rnd:\n        first = rnd.call(",
+                "    with redlock._round() as rnd:\n"
+                f'        early = rnd.call([("EVAL", "{_EARLY_READ}", 1, counter)] * n, '
+                "redlock.request_timeout)\n"
+                "        first = rnd.call(",
+            ),
+            Edit(
+                FENCING,
+                "        votes, granted, fence = _round_one(redlock, first)\n",
+                "        votes, granted, fence = _round_one(redlock, first)\n"
+                '        fence = max(o.value for o in early if o.kind == "ok") + 1\n',
+            ),
+        ),
+    ),
+    Mutant(
+        "release_not_waited",
+        "release returns before the masters applied it (rnd.send)",
+        (
+            "tests/core/test_release_contract.py::"
+            "test_an_acquire_started_after_release_returned_is_never_refused[embedded-slow-plain]",
+        ),
+        (
+            Edit(
+                REDLOCK,
+                "            outcomes = rnd.call(\n"
+                "                [command] * len(self.masters), self.request_timeout, keep=True, "
+                "enough=self.quorum\n"
+                "            )\n"
+                '        return sum(1 for o in outcomes if o.kind == "ok") >= self.quorum',
+                "            rnd.send([command] * len(self.masters), self.request_timeout)\n"
+                "        return True",
+            ),
+        ),
+    ),
+    Mutant(
+        "task_released_in_after_return",
+        "a run's lock outlives its visible completion (released in after_return)",
+        (
+            "tests/celery/test_celery_core.py::"
+            "test_a_finished_run_never_blocks_the_next_run_or_another_client",
+            # The next link is published before the result is stored: under a pool that runs it
+            # at once, it finds the lock held (the solo test above races the client's read).
+            "tests/golden_celery/test_golden_paths.py::"
+            "test_outcome_matches_the_golden_file[threads-chain_of_three_on_one_key]",
+            "tests/golden_celery/test_golden_paths.py::"
+            "test_outcome_matches_the_golden_file[prefork-chain_of_three_on_one_key]",
+        ),
+        (
+            Edit(
+                TRACER,
+                "        state = ended_state(exc)\n"
+                "        raise\n"
+                "    finally:\n"
+                "        task._redlock_finish(state, run)\n",
+                "        state = ended_state(exc)\n        raise\n    finally:\n        pass\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "unavailable_taken_for_contended",
+        "masters that did not answer count as a holder: work skipped",
+        (
+            "tests/celery/test_celery_unavailable.py::"
+            "test_contended_and_unavailable_are_told_apart_by_the_votes",
+        ),
+        (
+            Edit(
+                "celery_redlock/errors.py",
+                '        held = sum(1 for v in self.votes if v.kind == "held")\n'
+                "        return held > len(self.votes) - self.quorum",
+                "        return self.held_by_other",
+            ),
+        ),
+    ),
+    Mutant(
+        "heartbeat_interval_loose",
+        "an interval with no room for a missed round is accepted",
+        (
+            "tests/celery/test_celery_limits.py::"
+            "test_a_heartbeat_interval_that_cannot_keep_the_lock_is_refused_at_definition",
+            "tests/celery/test_celery_limits.py::test_the_margin_is_checked_with_the_apps_request_timeout",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "    return ttl - drift - 2 * request_timeout",
+                "    return ttl - drift",
+            ),
+        ),
+    ),
+    Mutant(
+        "fair_poll_naps_before_join",
+        "poll mode naps between probe and join: later arrivals go first",
+        ("tests/core/test_fair.py::test_poll_mode_keeps_arrival_order_too[embedded]",),
+        (
+            Edit(
+                "celery_redlock/lock/fair.py",
+                "        return bool(entry.ticket) and not entry.placed",
+                "        return False",
+            ),
+        ),
+    ),
+    Mutant(
+        "max_hold_capped_on_every_pool",
+        "the task's time_limit caps the heartbeat on pools that enforce none",
+        (
+            "tests/celery/test_celery_limits.py::"
+            "test_a_lock_never_expires_under_a_body_its_limit_does_not_end[threads]",
+        ),
+        (
+            Edit(
+                TASK,
+                "        if not _in_prefork_child():\n            return None\n",
+                "",
+            ),
+        ),
+    ),
+    Mutant(
+        "max_hold_ignores_the_calls_limit",
+        "the task's time_limit caps a call that raised its own limit",
+        (
+            "tests/celery/test_celery_limits.py::"
+            "test_a_lock_never_expires_under_a_body_its_limit_does_not_end[prefork]",
+        ),
+        (
+            Edit(
+                TASK,
+                "hard = limits[0] or self.time_limit or self.app.conf.task_time_limit",
+                "hard = self.time_limit or limits[0] or self.app.conf.task_time_limit",
+            ),
+        ),
+    ),
+    Mutant(
+        "reentrant_inner_exit_frees",
+        "an inner exit of a reentrant lock frees it for everyone",
+        ("tests/core/test_reentrant.py::test_depth_is_mirrored_and_only_the_last_exit_frees[embedded]",),
+        (
+            Edit(
+                "celery_redlock/lock/reentrant.py",
+                "            last = found.depth <= 0",
+                "            last = True",
+            ),
+        ),
+    ),
+    Mutant(
+        "handover_retracted_by_release",
+        "a takeover no quorum granted deletes its marker: a duplicate publish is accepted",
+        (
+            "tests/core/test_markers_side.py::test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key"
+            "[embedded]",
+        ),
+        (Edit("celery_redlock/lock/markers.py", "undo=self._retraction(token, entry),", "undo=None,"),),
+    ),
+    Mutant(
+        "release_publishes_nothing",
+        "waiters are not woken by a release, only by their fallback poll",
+        ("tests/core/test_waiting.py::test_woken_by_release_not_by_polling[embedded]",),
+        (
+            Edit(
+                SCRIPTS,
+                "    redis.call('DEL', KEYS[1])\n"
+                "    redis.call('PUBLISH', KEYS[1], '*')\n"
+                "    return 1\n"
+                "end\n"
+                "return 0\n"
+                '""",\n'
+                ")\n"
+                "\n"
+                "# EXTEND",
+                '    redis.call(\'DEL\', KEYS[1])\n    return 1\nend\nreturn 0\n""",\n)\n\n# EXTEND',
+            ),
+        ),
+    ),
+    Mutant(
+        "noscript_not_resent",
+        "the fast transport hands a master's NOSCRIPT to the caller: the script never runs there",
+        (
+            NOSCRIPT_TESTS + "test_the_caller_sees_the_scripts_replies_never_noscript[embedded-fast]",
+            NOSCRIPT_TESTS
+            + "test_every_kind_acquires_extends_and_releases_while_the_masters_lose_their_scripts"
+            "[embedded-fast-fenced]",
+        ),
+        (Edit(ROUND, "        resent = eval_form(command)\n", "        resent = None\n"),),
+    ),
+    Mutant(
+        "noscript_not_resent_reference",
+        "the reference transport hands a master's NOSCRIPT to the caller",
+        (NOSCRIPT_TESTS + "test_the_caller_sees_the_scripts_replies_never_noscript[embedded-redis-py]",),
+        (
+            Edit(
+                REFERENCE,
+                "and is_noscript(outcome) and eval_form(command) is not None:",
+                "and is_noscript(outcome) and eval_form(command) is None:",
+            ),
+        ),
+    ),
+    Mutant(
+        "scripts_not_loaded_on_connect",
+        "a new link does not load the scripts: a restarted master answers NOSCRIPT to what nobody waits for",
+        (NOSCRIPT_TESTS + "test_a_new_connection_loads_every_script[embedded-fast]",),
+        (Edit(MASTER, "loads = script_loads() if load_scripts else []", "loads = []"),),
+    ),
+    # -- issue 26: the vote tally, the reference transport, one RunState per run ------------------
+    Mutant(
+        "tally_late_vote_as_refusal",
+        "a late master votes 'held': its write is never retracted",
+        (
+            "tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded-fast]",
+            "tests/core/test_failures.py::test_late_write_from_a_paused_master_is_retracted[embedded-fast]",
+        ),
+        (Edit(TALLY, '        if outcome.kind == "ok":\n', '        if outcome.kind != "error":\n'),),
+    ),
+    Mutant(
+        "tally_late_vote_counted",
+        "masters that did not answer count toward the quorum",
+        (
+            "tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded-fast]",
+            "tests/core/test_failures.py::test_majority_killed_fails_fast_naming_the_dead[embedded-fast]",
+        ),
+        (
+            Edit(
+                TALLY,
+                'return votes, sum(1 for vote in votes if vote.kind == "yes")',
+                'return votes, sum(1 for vote in votes if vote.kind != "held")',
+            ),
+        ),
+    ),
+    Mutant(
+        "tally_zero_counts_as_grant",
+        "a re-entry answered 0 (the token gone) counts as yes",
+        (
+            "tests/review26/test_review26_tally.py::test_a_reentry_where_a_quorum_lost_the_key_is_lost_not_granted",
+        ),
+        (Edit(TALLY, "return type(value) is int and value > 0", "return type(value) is int and value >= 0"),),
+    ),
+    Mutant(
+        "reference_late_reported_ok",
+        "the reference transport reports a late reply as b'OK'",
+        (
+            "tests/core/test_failures.py::"
+            "test_failed_acquire_with_a_paused_master_leaves_nothing[embedded-redis-py]",
+            "tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded-redis-py]",
+        ),
+        (
+            Edit(
+                REFERENCE,
+                "results[i] = got + [LATE] * (count - len(got))",
+                'results[i] = got + [COMMON_OK[b"OK"]] * (count - len(got))',
+            ),
+        ),
+    ),
+    Mutant(
+        "reference_kept_dropped",
+        "a release the reference transport could not write for a while is dropped",
+        (
+            f"{REVIEW26}::test_a_release_reaches_a_master_that_restarts_with_its_keys[redis-py]",
+            f"{REVIEW26}::test_a_retraction_behind_a_very_late_reply_is_not_lost[redis-py]",
+        ),
+        (
+            Edit(
+                REFERENCE,
+                "                    self.site.keep(job)\n                    return False\n",
+                "                    return False\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "reference_fork_shares_lanes",
+        "a forked child uses the parent's lanes (threads it does not have, the parent's sockets)",
+        (
+            f"{REVIEW26}::test_a_forked_child_locks_on_connections_of_its_own[redis-py]",
+            "tests/core/test_reentrant.py::test_a_forked_child_is_another_owner[embedded-redis-py]",
+        ),
+        (
+            Edit(
+                REFERENCE,
+                "        # connection's socket (no shutdown in a process that did not open it).\n"
+                "        self._sites = [_Site(master) for master in self.masters]\n",
+                "        # connection's socket (no shutdown in a process that did not open it).\n"
+                "        pass\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "reference_idle_check_skipped",
+        "a release is written to a connection the master closed while it was idle, and lost",
+        (
+            f"{REVIEW26}::"
+            "test_a_release_on_connections_the_masters_closed_while_idle_deletes_the_keys[release-redis-py]",
+        ),
+        (
+            Edit(
+                REFERENCE,
+                "if self.conn is not None and self.conn.can_read(timeout=0):",
+                "if False:",
+            ),
+        ),
+    ),
+    Mutant(
+        "runstate_enter_not_recorded",
+        "a direct call from the body is taken for the run's call and releases its lock",
+        (
+            "tests/celery/test_celery_runstate.py::"
+            "test_each_run_has_a_state_of_its_own_and_a_direct_call_inside_is_no_run",
+        ),
+        (Edit(RUNSTATE, "        self.entered = True\n", ""),),
+    ),
+    Mutant(
+        "runstate_begin_keeps_old_state",
+        "a run finds an earlier run's state on a reused request",
+        (
+            "tests/celery/test_celery_runstate.py::"
+            "test_a_request_reused_for_a_later_run_starts_from_a_fresh_state",
+        ),
+        (
+            Edit(
+                RUNSTATE,
+                "    run = RunState()\n    setattr(request, RUN_ATTR, run)\n",
+                "    run = getattr(request, RUN_ATTR, None) or RunState()\n"
+                "    setattr(request, RUN_ATTR, run)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "runstate_finish_twice",
+        "a run's end is done twice (the body's end and the backstop): two releases reported",
+        (f"{REVIEW26_RUNS}::test_each_run_ends_once_whatever_the_backstops",),
+        (
+            Edit(
+                RUNSTATE,
+                "        if held is None or held.finished:\n            return None\n"
+                "        held.finished = True\n",
+                "        if held is None:\n            return None\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "runstate_scope_left_open",
+        "a reentrant run's owner scope outlives it: the next run in the thread is the same owner",
+        (f"{REVIEW26_RUNS}::test_a_reentrant_run_leaves_no_owner_scope_behind",),
+        (Edit(RUNSTATE, "            close_scope(scope)\n", "            pass\n"),),
+    ),
+    Mutant(
+        "fence_round_one_takes_the_whole_deadline",
+        "a paused minority master leaves a fenced attempt no time for round 2: never granted",
+        ("tests/review26/test_review26_fenced.py::test_a_fenced_acquire_is_granted_with_a_paused_minority",),
+        (
+            Edit(
+                FENCING,
+                "    halfway = deadline - redlock.request_timeout / 2\n",
+                "    halfway = deadline\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "fast_close_strands_kept_releases",
+        "after Redlock.close(), a release kept for a paused master is never delivered",
+        (f"{REVIEW26}::test_a_release_made_after_close_reaches_a_paused_master_once_it_resumes[fast]",),
+        (
+            Edit(
+                "celery_redlock/lock/transport/master.py",
+                "            self._closed = False\n            if self._delivering:\n",
+                "            if self._delivering or self._closed:\n",
+            ),
+        ),
+    ),
+)
