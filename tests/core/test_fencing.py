@@ -194,9 +194,12 @@ def test_fence_is_kept_when_lost_and_none_in_a_forked_child(rl: Redlock, masters
     other.release()
 
 
-def test_fenced_grant_is_two_rounds_unfenced_one(masters: ServerSet, rl: Redlock) -> None:
-    warm = rl.lock("rounds0", ttl=5, fenced=True)  # the scripts are in every master's cache
-    assert warm.acquire(blocking=False)
+def test_fenced_grant_is_two_rounds_unfenced_one(masters: ServerSet, transport: str) -> None:
+    # The commands are counted, not timed: a whole second per round, so that a loaded host's
+    # slow first connect cannot turn the single attempts below into retries (or failures).
+    rl = Redlock(masters.urls, retry_count=0, request_timeout=1.0, transport=transport)
+    warm = rl.lock("rounds0", ttl=5, fenced=True)  # the links are up, the scripts cached
+    assert warm.acquire(timeout=10), warm.last_error
     warm.release()
     for server in masters:
         server.client().config_resetstat()
@@ -212,6 +215,7 @@ def test_fenced_grant_is_two_rounds_unfenced_one(masters: ServerSet, rl: Redlock
         assert "cmdstat_eval" not in stats, stats["cmdstat_eval"]
         assert stats["cmdstat_evalsha"]["calls"] == 3, stats["cmdstat_evalsha"]
     fenced.release()
+    rl.close()
 
 
 def test_threads_sharing_one_redlock_get_distinct_increasing_fences(rl: Redlock) -> None:
