@@ -331,9 +331,10 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
 
 
 def _finished(task: Any, task_id: str) -> bool:
-    """Whether ``task_id``'s result is already stored as ready: its run has ended and its lock
-    is on its way out (the tracer stores the result before ``after_return`` releases). One read
-    of the result backend, on the duplicate path only; False without a backend."""
+    """Whether ``task_id``'s result is already stored as ready. A run's release normally takes
+    effect before its result is stored; a key still held by a finished run is one whose release
+    was left to the backstop after the result (see tracer.run_and_finish), on its way out. One
+    read of the result backend, on the duplicate path only; False without a backend."""
     try:
         return bool(task.AsyncResult(task_id).ready())
     except Exception:  # no result backend (DisabledBackend), or it failed: not known to be done
