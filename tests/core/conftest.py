@@ -51,6 +51,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skipped over it, with its reason."""
     keep, skip = [], []
     for item in items:
+        if item.module is not None and item.module.__name__.rpartition(".")[2] in CONTRACT_MODULES:
+            item.add_marker(pytest.mark.contract)
         callspec = getattr(item, "callspec", None)
         params = callspec.params if callspec is not None else {}
         on_system = params.get("server_set") == "redis-server"
