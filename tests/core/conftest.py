@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -134,6 +135,21 @@ def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
             return True
         time.sleep(0.01)
     return bool(predicate())
+
+
+def take(lock: Any, within: float = 5.0) -> bool:
+    """``lock.acquire(blocking=False)`` for a test whose subject is not the single attempt: an
+    attempt that failed only because answers came late (a loaded host: no master said the key
+    is held) is made again, until ``within``. A refusal by a holder is final at once, so a test
+    that means "the key is free now" still fails when it is not."""
+    deadline = time.monotonic() + within
+    while True:
+        if lock.acquire(blocking=False):
+            return True
+        error = lock.last_error
+        held = error is None or any(vote.kind == "held" for vote in error.votes)
+        if held or time.monotonic() >= deadline:
+            return False
 
 
 def set_idle_timeout(servers: ServerSet, seconds: int) -> None:
