@@ -42,17 +42,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The explore tests (hypothesis machines, adversarial reviews) and the one_binary scenarios
-    attack the protocol, not a server binary: they run on the embedded one only. Every other
-    core test runs on both, which is where the binaries' parity is shown; doubling the minutes
-    of the explorations shows nothing more.
+    """Only the contract modules run on both server binaries: that is where the binaries' parity
+    is shown, command by command. The other core tests (explorations, adversarial reviews,
+    link and waiting details) attack the protocol and the client, not the server binary: they
+    run on the embedded one only, as doubling their minutes shows nothing more.
 
     The reference transport's runs are on the embedded binary only, and not for the explore or
     slow tests; a test marked ``fast_transport`` (it checks a detail of the fast transport) is
     skipped over it, with its reason."""
     keep, skip = [], []
     for item in items:
-        if item.module is not None and item.module.__name__.rpartition(".")[2] in CONTRACT_MODULES:
+        contract = item.module is not None and item.module.__name__.rpartition(".")[2] in CONTRACT_MODULES
+        if contract:
             item.add_marker(pytest.mark.contract)
         callspec = getattr(item, "callspec", None)
         params = callspec.params if callspec is not None else {}
@@ -60,7 +61,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         single = item.get_closest_marker("explore") or item.get_closest_marker("one_binary")
         reference = params.get("transport") == "redis-py"
         long = item.get_closest_marker("explore") or item.get_closest_marker("slow")
-        (skip if (on_system and (single or reference)) or (reference and long) else keep).append(item)
+        (
+            skip if (on_system and (single or reference or not contract)) or (reference and long) else keep
+        ).append(item)
         fast_only = item.get_closest_marker("fast_transport")
         if reference and fast_only:
             item.add_marker(pytest.mark.skip(reason=f"checks a fast-transport detail: {fast_only.args[0]}"))
