@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
 
 import pytest
 
 from celery_redlock import Redlock
 from celery_redlock.lock.transport import reference
 from celery_redlock.testing import ServerSet
+from tests.core.conftest import set_idle_timeout, wait_for
 
 from .conftest import TRANSPORTS
 
@@ -29,24 +29,6 @@ def holding(servers: ServerSet, key: str) -> list[int]:
         finally:
             client.close()
     return found
-
-
-def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return bool(predicate())
-
-
-def set_idle_timeout(servers: ServerSet, seconds: int) -> None:
-    for server in servers:
-        client = server.client()
-        try:
-            client.config_set("timeout", seconds)
-        finally:
-            client.close()
 
 
 @pytest.mark.timeout(60)
