@@ -49,7 +49,8 @@ Any other scheduler is refused at start-up unless ``redlock_beat_scheduler_state
 its state is process-local. The standby ticks every ``redlock_beat_standby_interval`` seconds and
 tries to take the lock each time: after the leader dies, a standby dispatches within the lock's
 TTL plus one standby tick. Validity is checked again just before every message is sent: a leader
-with less than ``redlock_beat_min_validity`` seconds left does not send.
+with less than ``redlock_beat_min_validity`` seconds left, even after extending its lock once
+there, does not send.
 """
 
 from __future__ import annotations
@@ -286,7 +287,7 @@ class RedlockScheduler(Scheduler):  # type: ignore[misc]
         if self._leadership.leading:
             logger.warning(
                 "%s not sent: the leader lock has %.2f s of validity left, below "
-                "redlock_beat_min_validity (%g s)",
+                "redlock_beat_min_validity (%g s), and could not be extended",
                 entry.name,
                 self._leadership.validity,
                 self.settings.min_validity,

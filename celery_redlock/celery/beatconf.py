@@ -76,12 +76,16 @@ class BeatSettings:
             if min_validity is None
             else number("redlock_beat_min_validity", min_validity, above=0, unit="seconds")
         )
-        # The heartbeat extends every ttl/3, so a healthy leader's validity dips to 2/3 of the TTL.
-        if min_validity >= ttl * 2 / 3:
+        # The heartbeat extends every ttl/3 and counts the validity from each extension's start
+        # for that interval plus a margin of half of it: about ttl/2 just after an extension,
+        # down to ttl/6 before the next. A leader extends once below min_validity (leader.py);
+        # at ttl/2 or more, even a fresh extension would leave it below, and a healthy leader
+        # would step down.
+        if min_validity >= ttl / 2:
             raise ConfigError(
-                f"redlock_beat_min_validity must be below 2/3 of redlock_beat_lock_ttl "
-                f"({ttl * 2 / 3:.3g} s), or a healthy leader would refuse to dispatch; "
-                f"got {min_validity!r}"
+                f"redlock_beat_min_validity must be below half of redlock_beat_lock_ttl "
+                f"({ttl / 2:.3g} s), or a healthy leader, whose validity is about that just after "
+                f"an extension, would refuse to dispatch; got {min_validity!r}"
             )
         standby = number(
             "redlock_beat_standby_interval",

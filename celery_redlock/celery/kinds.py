@@ -37,6 +37,26 @@ def _forget_database_schedule(scheduler: Any) -> None:
     scheduler._dirty.clear()
     scheduler._initial_read = True
     scheduler._heap = None
+    # The rows are read next, and an admin's transaction may commit a new row just after. The
+    # scheduler sees an edit only when PeriodicTasks.last_update has moved past _last_timestamp
+    # (schedule_changed). A first term starts with None there, which the first check takes as
+    # "unchanged" and replaces with the last_update it reads: by then our setup's own writes
+    # (which wait for the admin's commit) have moved it past the admin's edit, and the new row
+    # waited for the 5-minute re-read. The earliest instant makes the first check re-read the
+    # rows once, after the setup. (last_change() read now would not do: it is None until a
+    # database's first edit, and the admin's uncommitted edit may be that one.)
+    scheduler._last_timestamp = _earliest_change()
+
+
+def _earliest_change() -> Any:
+    # Compared with PeriodicTasks.last_update, which Django reads aware under USE_TZ and naive
+    # otherwise: comparing the two kinds raises TypeError.
+    import datetime
+
+    from django.conf import settings
+
+    earliest = datetime.datetime.min
+    return earliest.replace(tzinfo=datetime.timezone.utc) if settings.USE_TZ else earliest
 
 
 def _keep_reserved_database_entry(scheduler: Any, reserved: Any) -> None:

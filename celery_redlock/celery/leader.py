@@ -4,9 +4,10 @@ process's terms as leader (:class:`Leadership`), with the signals that announce 
 - The lock is kept alive by the process heartbeat thread, not by the beat's ``tick()``: a tick
   may sleep for ``beat_max_loop_interval`` (five minutes by default), far longer than a lock TTL
   that gives a failover in seconds.
-- A leader with less than ``redlock_beat_min_validity`` seconds of validity left may not send
-  (:meth:`Leadership.may_dispatch`, asked just before every message): a leader that was paused or
-  cut off from a majority stops before another process can have taken over.
+- A leader with less than ``redlock_beat_min_validity`` seconds of validity left, even after one
+  extension of its own, may not send (:meth:`Leadership.may_dispatch`, asked just before every
+  message): a leader that was paused or cut off from a majority stops before another process can
+  have taken over.
 - Slots are decided by each host's wall clock. A leader that shuts down cuts its lock to
   ``redlock_beat_min_validity`` rather than deleting it, and never sends with less than that
   left, so hosts whose clocks disagree by less than ``redlock_beat_min_validity`` never send the
@@ -147,17 +148,31 @@ class Leadership:
         return lock.validity if lock is not None else 0.0
 
     def may_dispatch(self) -> bool:
+        """Whether this process may send a message now, as the leader.
+
+        INVARIANT: True only while this term's lock has at least ``min_validity`` of validity
+        left, counted from before the round that gave it: a leader that was paused or cut off
+        from a majority stops before another beat can have taken over.
+
+        A healthy leader's validity falls below that every heartbeat cycle (at a TTL of 3 s it
+        runs from 1.5 s down to 0.5 s before each extension: the heartbeat counts it from the
+        extension's start, interval plus margin). Refusing there would lose a run a shared
+        store has already recorded, and no failover would follow to send it; so below the
+        minimum the lock is extended once, here, and the rule asked again.
+        """
         lock = self._lock
-        return self._leading and lock is not None and lock.validity >= self._settings.min_validity
+        if not self._leading or lock is None:
+            return False
+        if lock.validity >= self._settings.min_validity:
+            return True
+        return lock.extend() and self._leading and lock.validity >= self._settings.min_validity
 
     def confirm(self) -> None:
-        """A leader with too little validity left steps down, unless one extension of its own
-        brings the validity back: the heartbeat may only be late."""
+        """A leader that may not dispatch (too little validity left, even after one extension
+        of its own: :meth:`may_dispatch`) steps down."""
         if not self._leading or self.may_dispatch():
             return
         lock = self._lock
-        if lock is not None and lock.extend() and self.may_dispatch():
-            return
         left = lock.validity if lock is not None else 0.0
         reason = (
             lock.lost_reason

@@ -238,6 +238,21 @@ def beats(
         fleet.stop_all()
 
 
+@pytest.fixture
+def django_beats(beats: Beats, pg_database: str) -> Beats:
+    """The beats fixture, its processes set up as a Django project's over this session's database,
+    and the schedule emptied."""
+    from django_celery_beat.models import PeriodicTask
+
+    PeriodicTask.objects.all().delete()
+    beats.env = {
+        **beats.env,
+        "DJANGO_SETTINGS_MODULE": "tests.beat.django_settings",
+        "BEAT_TEST_PG_DB": pg_database,
+    }
+    return beats
+
+
 def current_leader(redlock: Redlock) -> dict[str, Any] | None:
     return read_leader(redlock, LOCK_NAME)
 

@@ -1,15 +1,18 @@
 """The HA checks of ``test_ha.py``, run again over each wrapped scheduler with shared state.
 
 The caller starts the beats (with the wrapped scheduler configured) and says how to find doubled
-sends: by epoch-aligned slot where the scheduler aligns intervals (``aligned_doubles``), or, where
-an interval counts from the previous send (redbeat), by two sends closer than half a period
+sends: by the slot stamp each message carries where every send is stamped with its scheduled slot
+(``stamp_doubles``), by epoch-aligned slot of the send time (``aligned_doubles``), or, where an
+interval counts from the previous send (redbeat), by two sends closer than half a period
 (``interval_doubles``).
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,23 @@ def aligned_doubles(sends: Sends) -> list[int]:
     slots = [slot_of(s["t"]) for s in sends]
     doubled, _ = count_slots(sends, min(slots), max(slots))
     return doubled
+
+
+def stamp_doubles(sends: Sends) -> list[str]:
+    """Slot stamps carried by more than one send. The stamp is the slot the send was scheduled
+    for, so a send a loaded machine made late, in the next period, still counts for its own slot
+    (by send time it would look like a double of the next one). An unstamped send counts under
+    "None", so two of them show up too."""
+    counts = Counter(str(s.get("slot")) for s in sends)
+    return sorted(stamp for stamp, n in counts.items() if n > 1)
+
+
+def stamped_slot(send: dict[str, Any]) -> int | None:
+    """The slot (a multiple of PERIOD since the epoch) a send's stamp names; None if unstamped."""
+    stamp = send.get("slot")
+    if not stamp:
+        return None
+    return round(datetime.datetime.fromisoformat(str(stamp)).timestamp() / PERIOD)
 
 
 def interval_gaps(sends: Sends) -> list[float]:

@@ -18,7 +18,13 @@ import pytest
 from celery import Celery
 
 from celery_redlock import ConfigError
-from celery_redlock.beat import RedlockScheduler, beat_leader_elected, beat_leader_lost, read_leader
+from celery_redlock.beat import (
+    BeatSettings,
+    RedlockScheduler,
+    beat_leader_elected,
+    beat_leader_lost,
+    read_leader,
+)
 from celery_redlock.testing import ServerSet
 from celery_redlock.testing.celery import CeleryBeat
 
@@ -31,6 +37,9 @@ BAD = [
     ({"redlock_beat_lock_ttl": 0}, "redlock_beat_lock_ttl"),
     ({"redlock_beat_lock_ttl": "10"}, "redlock_beat_lock_ttl"),
     ({"redlock_beat_min_validity": 2.5}, "redlock_beat_min_validity"),
+    # At or above half the TTL a fresh extension leaves less (the heartbeat counts ttl/3 plus
+    # half of it): a healthy leader would refuse to send.
+    ({"redlock_beat_min_validity": 1.6}, "redlock_beat_min_validity"),
     ({"redlock_beat_standby_interval": -1}, "redlock_beat_standby_interval"),
     ({"redlock_beat_standby_interval": 5.0}, "redlock_beat_standby_interval"),
     ({"redlock_beat_scheduler": "no_such_module:Scheduler"}, "redlock_beat_scheduler"),
@@ -69,6 +78,15 @@ def test_bad_setting_is_named(conf: dict[str, Any], setting: str, tmp_path: Path
     app = make_app(["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"], **conf)
     with pytest.raises(ConfigError, match=setting):
         RedlockScheduler(app, schedule_filename=str(tmp_path / "s"), lazy=True)
+
+
+def test_min_validity_must_stay_below_half_the_ttl() -> None:
+    """Just after an extension a healthy leader has about half the TTL left (the heartbeat's
+    interval, TTL/3, plus half of it): a minimum at or above that would stop it sending."""
+    masters = ["redis://127.0.0.1:1/0", "redis://127.0.0.1:2/0", "redis://127.0.0.1:3/0"]
+    with pytest.raises(ConfigError, match=r"redlock_beat_min_validity .*half .*\(1\.5 s\).*got 1\.6"):
+        BeatSettings.from_conf(make_app(masters, redlock_beat_min_validity=1.6).conf)
+    assert BeatSettings.from_conf(make_app(masters, redlock_beat_min_validity=1.45).conf).min_validity == 1.45
 
 
 @pytest.mark.timeout(60)
