@@ -521,4 +521,29 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "beat_dip_refuses",
+        "a healthy beat leader in its validity dip writes a run and never sends it",
+        ("tests/beat/test_django_races.py::test_a_run_written_in_the_validity_dip_is_sent",),
+        (
+            Edit(
+                "celery_redlock/celery/leader.py",
+                "        return lock.extend() and self._leading and lock.validity >= "
+                "self._settings.min_validity",
+                "        return False",
+            ),
+        ),
+    ),
+    Mutant(
+        "beat_setup_misses_admin_commit",
+        "an entry an admin commits while a django beat leader sets up waits for the 5-minute re-read",
+        ("tests/beat/test_django_races.py::test_an_entry_committed_while_a_leader_sets_up_is_run",),
+        (
+            Edit(
+                "celery_redlock/celery/kinds.py",
+                "    scheduler._last_timestamp = _earliest_change()",
+                "    pass",
+            ),
+        ),
+    ),
 )
