@@ -425,7 +425,10 @@ def test_a_redlock_dropped_without_close_leaves_no_thread_or_socket_behind(
         key = lock.key
         if how == "release":
             assert lock.release() is True
-            assert set(values_on(masters, key).values()) == {None}  # waited for: gone already
+            # Waited for: gone already from a quorum (the release's contract); the rest of the
+            # masters' replies may still be on their way, and every key is gone below.
+            gone_from = sum(value is None for value in values_on(masters, key).values())
+            assert gone_from >= len(masters) // 2 + 1, values_on(masters, key)
         else:
             lock.release_without_waiting()  # written before it returned: dropping loses nothing
         assert len(connections_to(ports)) == len(masters)
