@@ -115,5 +115,8 @@ if os.environ.get("BEAT_TEST_RECORD"):
 def _note_done(
     task_id: str | None = None, args: Any = None, state: str | None = None, retval: Any = None, **_: Any
 ) -> None:
-    if args:
+    # A retry is not an ending: the message runs again (a lock round that missed its quorum
+    # because a master answered late is retried, by the no-lost-work rule), and only how that
+    # copy ends is recorded.
+    if args and state != "RETRY":
         _push(f"{args[0]}:done", id=task_id, state=state, skipped=is_skipped(retval))

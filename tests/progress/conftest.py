@@ -1,11 +1,10 @@
-"""Real servers and real workers for the progress tests, started once for the package and shared
+"""Real servers and real workers for the progress tests, started once per session and shared
 by every test and every hypothesis example in it (each uses keys of its own, so nothing stale
 can interfere): a broker (also the result backend and the history store, on other databases),
 three lock masters, and one worker per pool, each consuming a queue of its own."""
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,50 +12,37 @@ from typing import Any
 
 import pytest
 
-from celery_redlock.celery.settings import close_app_redlock
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
+from ..appservers import app_env, app_servers, configured
+
 ROOT = Path(__file__).resolve().parents[2]
-MASTERS = 3
 # pool -> (workers, concurrency each); two solo workers, so that a solo pool can contend at all.
 POOLS: dict[str, tuple[int, int | None]] = {"prefork": (1, 2), "threads": (1, 4), "solo": (2, None)}
 
 Pool = tuple[str, str]  # (pool name, its queue)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def progress_servers() -> Iterator[tuple[RedisServer, ServerSet]]:
-    with RedisServer() as broker, ServerSet(MASTERS) as masters:
-        yield broker, masters
+    with app_servers() as servers:
+        yield servers
 
 
 def _env(broker: RedisServer, masters: ServerSet) -> dict[str, str]:
-    base = broker.url.rsplit("/", 1)[0]
-    return {
-        "PROGRESS_BROKER": f"{base}/0",
-        "PROGRESS_BACKEND": f"{base}/1",
-        "PROGRESS_RECORDS": f"{base}/2",
-        "PROGRESS_MASTERS": ",".join(masters.urls),
-    }
+    return app_env("PROGRESS", broker, masters)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def progress_app(progress_servers: tuple[RedisServer, ServerSet]) -> Iterator[Any]:
     """The test process's side of ``progressapp``, configured like the workers."""
-    env = _env(*progress_servers)
-    os.environ.update(env)
     from . import progressapp
 
-    progressapp.app.conf.update(
-        broker_url=env["PROGRESS_BROKER"],
-        result_backend=env["PROGRESS_BACKEND"],
-        redlock_masters=env["PROGRESS_MASTERS"],
-    )
-    yield progressapp.app
-    close_app_redlock(progressapp.app)
+    with configured(progressapp.app, _env(*progress_servers), "PROGRESS"):
+        yield progressapp.app
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="session")
 def progress_workers(
     progress_app: Any, progress_servers: tuple[RedisServer, ServerSet]
 ) -> Iterator[dict[str, tuple[str, list[CeleryWorker]]]]:

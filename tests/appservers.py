@@ -1,0 +1,51 @@
+"""Real servers for a test package's Celery app, shared by the whole session: a broker (database
+0; the result backend on 1 and the records store on 2) and three lock masters.
+
+Session-scoped, not package-scoped: the test process imports the app module once, and its
+Celery app keeps the connections it opened to the first broker; a second set of servers for the
+same package (random order or a parallel run can visit a package twice) would leave it talking to
+a stopped one."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from celery_redlock.celery.settings import close_app_redlock
+from celery_redlock.testing import RedisServer, ServerSet
+
+MASTERS = 3
+
+
+@contextmanager
+def app_servers() -> Iterator[tuple[RedisServer, ServerSet]]:
+    with RedisServer() as broker, ServerSet(MASTERS) as masters:
+        yield broker, masters
+
+
+def app_env(prefix: str, broker: RedisServer, masters: ServerSet) -> dict[str, str]:
+    """The environment the app module reads, under ``prefix`` (``REVIEW``, ``PROGRESS``)."""
+    base = broker.url.rsplit("/", 1)[0]
+    return {
+        f"{prefix}_BROKER": f"{base}/0",
+        f"{prefix}_BACKEND": f"{base}/1",
+        f"{prefix}_RECORDS": f"{base}/2",
+        f"{prefix}_MASTERS": ",".join(masters.urls),
+    }
+
+
+@contextmanager
+def configured(app: Any, env: dict[str, str], prefix: str) -> Iterator[None]:
+    """The test process's side of the app, configured like its workers, closed at the end."""
+    os.environ.update(env)
+    app.conf.update(
+        broker_url=env[f"{prefix}_BROKER"],
+        result_backend=env[f"{prefix}_BACKEND"],
+        redlock_masters=env[f"{prefix}_MASTERS"],
+    )
+    try:
+        yield
+    finally:
+        close_app_redlock(app)
