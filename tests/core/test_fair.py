@@ -142,12 +142,16 @@ def test_threads_are_granted_in_arrival_order_one_wake_each(
         thread.join(30)
     assert holds.order == list(range(waiters))
     assert holds.overlaps == 0
-    # Arrival costs two attempts (the probe, then the join); each grant then costs one. Counted
-    # over the fast transport only: over the reference one, a release returns once a quorum has
-    # applied it while the other masters' threads are still writing it, so a woken waiter may
-    # try once before the rest of the release lands (order and exclusion hold over both).
+    # Arrival costs two attempts (the probe, then the join); each grant then costs one wake. A
+    # release returns once a quorum has applied it, and every master announces its own part, so
+    # a waiter woken by the first announcements may try while fewer than a quorum have applied it
+    # yet (a loaded host): at most quorum - 1 such early tries. A herd (every waiter woken by
+    # every release) would give the waiter at place i about i extra tries, past this bound from
+    # the fourth place on. Counted over the fast transport only: the reference one's wake path
+    # is not the subject here (order and exclusion hold over both).
     if transport == "fast":
-        assert all(n == 3 for n in holds.attempts.values()), holds.attempts
+        early = rl.quorum - 1
+        assert all(3 <= n <= 3 + early for n in holds.attempts.values()), holds.attempts
     assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
 
 

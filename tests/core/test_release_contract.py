@@ -119,6 +119,7 @@ def test_an_acquire_started_after_release_returned_is_never_refused(
     with two_clients(masters, slow=path == "slow") as (a, b):
         refused = handoffs(a, b, f"contract-{kind}", kind, times, "release")
     assert not refused, f"{len(refused)} of {times} contenders refused after release(): {refused[:3]}"
+
     # release() returns once a quorum deleted the key; on the slow path A's delete to the other
     # masters may still be on its way (the contract: every master, within the request timeout).
     def left() -> dict[str, list[bytes]]:

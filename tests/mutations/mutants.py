@@ -258,6 +258,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "fair_release_wakes_the_herd",
+        "a fair release wakes every waiter, not only the new head of the queue",
+        (
+            "tests/core/test_fair.py::test_threads_are_granted_in_arrival_order_one_wake_each[embedded-fast-10]",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/scripts.py",
+                "redis.call('PUBLISH', KEYS[1], redis.call('ZRANGE', KEYS[2], 0, 0)[1] or '*')",
+                "redis.call('PUBLISH', KEYS[1], '*')",
+            ),
+        ),
+    ),
+    Mutant(
         "max_hold_capped_on_every_pool",
         "the task's time_limit caps the heartbeat on pools that enforce none",
         (
