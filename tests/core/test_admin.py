@@ -19,6 +19,8 @@ from celery_redlock.lock.heartbeat import Heartbeat
 from celery_redlock.lock.holder import describe_holder, process_identity
 from celery_redlock.testing import RedisServer, ServerSet
 
+from .conftest import take
+
 
 def record(ttl: float, *, pid: int = 4242, host: str = "worker-3", since: float | None = None) -> str:
     """A holder record as the Celery layer writes it."""
@@ -91,7 +93,7 @@ def test_ls_lists_plain_and_reentrant_locks_held_on_a_quorum_and_skips_what_is_n
 def test_ls_is_bounded_by_its_limit(masters: ServerSet, rl: Redlock) -> None:
     locks = [rl.lock(f"many:{i}", ttl=20) for i in range(30)]
     for lock in locks:
-        assert lock.acquire(blocking=False)
+        assert take(lock)
     listing = admin.list_locks(rl, "many:*", limit=10)
     assert len(listing.locks) <= 10 and not listing.complete
     assert len(admin.list_locks(rl, "many:*").locks) == 30
@@ -100,7 +102,7 @@ def test_ls_is_bounded_by_its_limit(masters: ServerSet, rl: Redlock) -> None:
 @pytest.mark.timeout(30)
 def test_show_gives_the_per_master_view_with_one_master_down(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("shown", ttl=20, holder=record(20))
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     masters[4].kill()
     view = admin.show(rl, "shown")
     assert view.held and view.agree == 4 and view.token == lock.token
@@ -116,14 +118,14 @@ def test_force_release_deletes_only_the_token_shown_and_wakes_a_waiter(
     masters: ServerSet, rl: Redlock
 ) -> None:
     holder = rl.lock("stuck", ttl=30, holder=record(30))
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     view = admin.show(rl, "stuck")
 
     with Redlock(masters.urls, retry_count=0) as other:
         # A stale view (its token released since, and the lock taken by another) deletes nothing.
         holder.release()
         taker = other.lock("stuck", ttl=30)
-        assert taker.acquire(blocking=False)
+        assert take(taker)
         done = admin.force_release(rl, view)
         assert done.deleted == 0
         assert admin.show(rl, "stuck").token == taker.token
@@ -156,7 +158,7 @@ def test_force_release_deletes_only_the_token_shown_and_wakes_a_waiter(
 @pytest.mark.timeout(30)
 def test_release_of_a_reentrant_lock_deletes_its_hash(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("re-stuck", ttl=30, reentrant=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     released, alive = admin.release(rl, "re-stuck", force=True)
     assert released.deleted == 5 and alive is None
     assert admin.show(rl, "re-stuck").kind == "free"
@@ -166,7 +168,7 @@ def test_release_of_a_reentrant_lock_deletes_its_hash(masters: ServerSet, rl: Re
 def test_release_is_refused_while_the_holder_extends_it(masters: ServerSet, rl: Redlock) -> None:
     heartbeat = Heartbeat("test-admin-heartbeat")
     lock = rl.lock("alive", ttl=1.5, holder=record(1.5, host=socket.gethostname(), pid=1))
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     heartbeat.keep(lock)  # extended every 0.5 s
     try:
         with pytest.raises(admin.ReleaseRefused, match="holder is alive"):
@@ -192,7 +194,7 @@ def test_a_lock_not_extended_past_its_recorded_interval_is_stale_and_released(
     extension for longer than that plus the margin."""
     holder = json.dumps({**json.loads(record(30.0)), "heartbeat": 0.5})
     lock = rl.lock("stale", ttl=30.0, holder=holder)  # never extended: its holder is dead
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     released, alive = admin.release(rl, "stale", watch=10)
     assert alive is not None and alive.state == "stale", alive
     assert released.deleted == 5
@@ -205,7 +207,7 @@ def test_a_lock_without_a_recorded_interval_is_not_released_while_valid(
     """No interval, no pid on this host: nothing can show it dead but its expiry, so a release
     without force refuses while it is valid and, once it has expired, has nothing to delete."""
     lock = rl.lock("stale", ttl=2.0, holder=record(2.0))
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     with pytest.raises(admin.ReleaseRefused):
         admin.release(rl, "stale", watch=0.5)
     assert lock.owned()
@@ -224,7 +226,7 @@ def test_a_holder_whose_process_is_gone_on_this_host_is_released_without_watchin
     dead.wait(10)
     holder = json.dumps({**json.loads(record(60, host=socket.gethostname(), pid=dead.pid)), "proc": identity})
     lock = rl.lock("gone", ttl=60, holder=holder)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     started = time.monotonic()
     released, alive = admin.release(rl, "gone", watch=30)
     assert alive is not None and alive.state == "gone" and time.monotonic() - started < 1.0
@@ -236,7 +238,7 @@ def test_a_holder_without_a_ttl_in_its_record_is_unknown_and_needs_force(
     masters: ServerSet, rl: Redlock
 ) -> None:
     lock = rl.lock("label", ttl=30, holder="a cron script")
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     view = admin.show(rl, "label")
     alive = admin.liveness(rl, view, watch=0.5)
     assert alive.state == "unknown" and not alive.releasable

@@ -14,6 +14,8 @@ from celery_redlock import ConfigError, Redlock, RedlockWarning
 from celery_redlock.lock.resource import MAX_NAME_LENGTH
 from celery_redlock.testing import RedisServer, ServerSet, free_port
 
+from .conftest import take
+
 
 @pytest.mark.parametrize(
     ("kwargs", "named"),
@@ -84,14 +86,14 @@ def test_timeout_with_nonblocking_is_refused(redlock: Redlock) -> None:
 def test_very_long_and_unicode_names(redlock: Redlock, redlock_masters: ServerSet) -> None:
     long_name = "invoice:" + "x" * 100_000
     lock = redlock.lock(long_name, ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert len(lock.key) < MAX_NAME_LENGTH + 100
     other = redlock.lock("invoice:" + "x" * 99_999 + "y", ttl=5)
     assert other.key != lock.key and other.acquire(blocking=False)  # digests keep them apart
     lock.release()
     other.release()
     uni = redlock.lock("facture:ÉTÉ-☃", ttl=5)
-    assert uni.acquire(blocking=False)
+    assert take(uni)
     assert redlock_masters[0].client().exists("redlock:facture:ÉTÉ-☃")
     uni.release()
 
@@ -100,7 +102,7 @@ def test_redis_client_objects_and_prefix(redlock_masters: ServerSet) -> None:
     clients = [s.client() for s in redlock_masters]
     with Redlock(clients, key_prefix="app1:") as rl:
         lock = rl.lock("res", ttl=5)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert clients[0].exists("app1:res") and not clients[0].exists("redlock:res")
         lock.release()
 
@@ -137,7 +139,7 @@ def test_single_master_mode(redlock_masters: ServerSet) -> None:
     with Redlock([redlock_masters[0].url]) as rl:
         assert rl.quorum == 1
         lock = rl.lock("solo", ttl=5)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert not rl.lock("solo").acquire(blocking=False)
         lock.release()
 
@@ -150,7 +152,7 @@ def test_raw_redis_errors_never_escape(redlock_masters: ServerSet) -> None:
     with Redlock(redlock_masters.urls) as rl:
         lock = rl.lock("wrongtype", ttl=5)
         try:
-            assert lock.acquire(blocking=False)
+            assert take(lock)
             assert lock.last_votes[0].kind == "held"  # SET NX refuses an existing key
             assert lock.extend()
             assert lock.last_votes[0].kind == "error"

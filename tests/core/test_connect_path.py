@@ -27,7 +27,7 @@ from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock import masters as master_module
 from celery_redlock.testing import Proxy, ProxySet, RedisServer, ServerSet
 
-from .conftest import keys_on, wait_for
+from .conftest import keys_on, take, wait_for
 
 # Loopback round trips are well under a millisecond; this is what a loaded 2-core machine may add
 # to one round (thread wake-ups, the proxy thread), not a tolerance for a second timeout.
@@ -121,7 +121,7 @@ def test_a_connect_that_never_completes_and_a_silent_master_cost_one_request_tim
         Redlock([*masters.urls[:3], unreachable, silent.url], retry_count=0, request_timeout=timeout) as rl,
     ):
         first = rl.lock("warm", ttl=10)
-        assert first.acquire(blocking=False)
+        assert take(first)
         assert kinds(first.last_votes) == ["yes", "yes", "yes", "error", "yes"]
         first.release()
         time.sleep(2 * timeout)  # any cool-down of the failed connect has passed
@@ -142,7 +142,7 @@ def test_idle_closed_links_are_replaced_before_they_vote(idle_timeout: ServerSet
     # not its speed.
     with Redlock(idle_timeout.urls, retry_count=0, request_timeout=1.0) as rl:
         warm = rl.lock("idle-vote", ttl=10)
-        assert warm.acquire(blocking=False)
+        assert take(warm)
         warm.release()
         wait_until_idle_closed(idle_timeout)
         lock = rl.lock("idle-vote", ttl=10)
@@ -171,7 +171,7 @@ RELEASES = ["release", "release_without_waiting"]
 def test_a_release_on_idle_closed_links_deletes_the_keys(idle_timeout: ServerSet, how: str) -> None:
     with Redlock(idle_timeout.urls, retry_count=0, request_timeout=1.0) as rl:
         lock = rl.lock("idle-release", ttl=30)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         wait_until_idle_closed(idle_timeout)
         release(lock, how, idle_timeout)
         with Redlock(idle_timeout.urls, retry_count=0) as probe:
@@ -185,7 +185,7 @@ def test_a_release_on_idle_closed_links_deletes_the_keys(idle_timeout: ServerSet
 def test_a_release_after_client_kill_deletes_the_keys(masters: ServerSet, how: str) -> None:
     with Redlock(masters.urls, retry_count=0, request_timeout=1.0) as rl:
         lock = rl.lock("killed-links", ttl=30)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         kill_clients(masters)
         release(lock, how, masters)
         again = rl.lock("killed-links", ttl=30)
@@ -201,7 +201,7 @@ def test_a_release_not_waited_for_rides_on_the_links_that_replace_killed_ones(ma
     that round's command."""
     with Redlock(masters.urls, retry_count=0) as rl:
         first = rl.lock("carried-first", ttl=30)
-        assert first.acquire(blocking=False)
+        assert take(first)
         kill_clients(masters)
         first.release_without_waiting()
         second = rl.lock("carried-second", ttl=30)
@@ -242,7 +242,7 @@ def test_a_release_after_a_master_restart_deletes_the_keys(masters: ServerSet) -
         urls = [*masters.urls[:4], durable.url]
         with Redlock(urls, retry_count=0) as rl:
             lock = rl.lock("restarted", ttl=30)
-            assert lock.acquire(blocking=False)
+            assert take(lock)
             durable.restart(keep_data=True)
             client = durable.client()
             try:

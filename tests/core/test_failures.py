@@ -11,7 +11,7 @@ from celery_redlock.lock.commands import PLAIN, Commands
 from celery_redlock.lock.masters import BACKOFF_CAP
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on
+from .conftest import keys_on, take
 
 REQUEST_TIMEOUT = 0.1
 # Generous slack for a loaded 2-core machine: these bounds catch hangs and hidden client
@@ -24,7 +24,7 @@ def fresh(masters: ServerSet) -> Redlock:
     """A Redlock whose connections are all made before any fault (the usual steady state)."""
     rl = Redlock(masters.urls, retry_count=0, request_timeout=REQUEST_TIMEOUT)
     warm = rl.lock("warm-up", ttl=5)
-    assert warm.acquire(blocking=False)
+    assert take(warm)
     warm.release()
     return rl
 
@@ -35,7 +35,7 @@ def test_minority_killed_still_acquires_within_bounds(masters: ServerSet, fresh:
     for attempt in range(5):
         lock = fresh.lock(f"minority-{attempt}", ttl=5)
         started = time.monotonic()
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert time.monotonic() - started < REQUEST_TIMEOUT + SLACK
         kinds = sorted(v.kind for v in lock.last_votes)
         assert kinds.count("yes") == 3 and kinds.count("error") == 2
@@ -77,7 +77,7 @@ def test_paused_master_costs_at_most_request_timeout(masters: ServerSet, fresh: 
     for attempt in range(3):
         lock = fresh.lock(f"paused-{attempt}", ttl=5)
         started = time.monotonic()
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert time.monotonic() - started < REQUEST_TIMEOUT + SLACK
         assert [v.kind for v in lock.last_votes].count("yes") == 4
         lock.release()
@@ -91,7 +91,7 @@ def test_release_does_not_wait_for_a_paused_master(masters: ServerSet) -> None:
     slow_timeout = 2.0
     rl = Redlock(masters.urls, retry_count=0, request_timeout=slow_timeout)
     lock = rl.lock("unwaited", ttl=30)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     masters[1].pause()
     started = time.monotonic()
     lock.release()
@@ -106,7 +106,7 @@ def test_release_does_not_wait_for_a_paused_master(masters: ServerSet) -> None:
         time.sleep(0.01)
     assert client.exists("redlock:unwaited") == 0
     again = rl.lock("unwaited", ttl=30)
-    assert again.acquire(blocking=False)
+    assert take(again)
     assert [vote.kind for vote in again.last_votes] == ["yes"] * 5
     again.release()
     rl.close()
@@ -118,7 +118,7 @@ def test_new_connection_to_a_paused_master_is_bounded(masters: ServerSet) -> Non
     rl = Redlock(masters.urls, retry_count=0, request_timeout=REQUEST_TIMEOUT)
     started = time.monotonic()
     lock = rl.lock("cold", ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     # The two handshakes that cannot finish run in parallel: one timeout, not two.
     assert time.monotonic() - started < 2 * REQUEST_TIMEOUT + SLACK
     lock.release()
@@ -130,7 +130,7 @@ def test_late_write_from_a_paused_master_is_retracted(masters: ServerSet, fresh:
     on the same connection deletes it, so no key of ours outlives the release."""
     masters[4].pause()
     lock = fresh.lock("late", ttl=30)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert [v.kind for v in lock.last_votes][4] == "timeout"
     lock.release()
     masters[4].resume()
@@ -171,7 +171,7 @@ def test_restarted_master_rejoins(masters: ServerSet, fresh: Redlock) -> None:
     deadline = time.monotonic() + 5
     while True:  # the first round may still meet the dead connection; a later one reconnects
         lock = fresh.lock("rejoin", ttl=5)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         yes = [v.kind for v in lock.last_votes].count("yes")
         lock.release()
         if yes == 5:
@@ -190,14 +190,14 @@ def test_a_refused_master_rejoins_within_the_backoff_cap(masters: ServerSet, fre
     nothing while it is down): once it is back, its vote counts again within the backoff cap."""
     masters[3].kill()
     lock = fresh.lock("refused", ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.last_votes[3].kind == "error"
     lock.release()
     masters[3].start()
     back = time.monotonic()
     while True:
         lock = fresh.lock("refused", ttl=5)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         lock.release()
         if lock.last_votes[3].kind == "yes":
             break
@@ -230,7 +230,7 @@ class StallsAfterEachRound(Redlock):
 def test_validity_counts_from_before_the_round_not_from_when_it_is_read(masters: ServerSet) -> None:
     with StallsAfterEachRound(masters.urls, retry_count=0) as rl:
         lock = rl.lock("stalled", ttl=1.0)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         # The masters expire the key 1 s after they set it; the holder lost 0.5 s of that.
         assert lock.validity < 1.0 - StallsAfterEachRound.stall, lock.validity
         assert lock.extend()

@@ -28,7 +28,7 @@ from celery_redlock import ConfigError, LockKindMismatch, Redlock
 from celery_redlock.lock.fair import FairLock
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on, wait_for
+from .conftest import keys_on, take, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -114,7 +114,7 @@ def test_uncontended_fair_acquire_is_one_command_per_master(masters: ServerSet, 
     for server in masters:
         server.client().config_resetstat()
     lock = rl.lock("free", ttl=5, fair=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.last_attempts == 1
     for server in masters:
         stats = server.client().info("commandstats")
@@ -129,7 +129,7 @@ def test_threads_are_granted_in_arrival_order_one_wake_each(
 ) -> None:
     # Held until the last waiter is placed, however long a loaded machine takes to place them.
     holder = rl.lock("order", ttl=60, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     holds = Holds()
     threads = []
     for i in range(waiters):
@@ -168,7 +168,7 @@ def _process_waiter(urls: list[str], name: str, log: str, who: int) -> None:
 def test_processes_are_granted_in_arrival_order(masters: ServerSet, rl: Redlock, tmp_path: object) -> None:
     log = os.path.join(str(tmp_path), "grants")
     holder = rl.lock("procs", ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     context = multiprocessing.get_context("fork")
     children = []
     for i in range(5):
@@ -201,7 +201,7 @@ def _queue_child(
 
 def test_a_dead_head_holds_the_queue_up_at_most_its_entry_ttl(masters: ServerSet, rl: Redlock) -> None:
     holder = rl.lock("dead", ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     head = _queue_child(masters, "dead", 1)
     holds = Holds()
     behind = start_waiter(masters.urls, "dead", holds, "behind")
@@ -234,7 +234,7 @@ def test_a_waiter_paused_past_its_entry_ttl_queues_again_at_the_back(
 ) -> None:
     log = os.path.join(str(tmp_path), "paused")
     holder = rl.lock("paused", ttl=30, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     first = multiprocessing.get_context("fork").Process(
         target=_timed_waiter, args=(masters.urls, "paused", log), daemon=True
     )
@@ -265,7 +265,7 @@ def test_a_waiter_paused_past_its_entry_ttl_queues_again_at_the_back(
 
 def test_a_waiter_that_gives_up_leaves_no_entry(masters: ServerSet, rl: Redlock) -> None:
     holder = rl.lock("leave", ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     waiter = rl.lock("leave", ttl=10, fair=True)
     started = time.monotonic()
     assert not waiter.acquire(timeout=0.5)
@@ -279,7 +279,7 @@ def test_a_waiter_that_gives_up_leaves_no_entry(masters: ServerSet, rl: Redlock)
 
 def test_a_master_restarted_empty_under_a_full_queue_keeps_exclusion(masters: ServerSet, rl: Redlock) -> None:
     holder = rl.lock("restart", ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     holds = Holds()
     threads = []
     for i in range(5):
@@ -298,14 +298,14 @@ def test_a_master_restarted_empty_under_a_full_queue_keeps_exclusion(masters: Se
 
 def test_kinds_do_not_mix(rl: Redlock) -> None:
     reentrant = rl.lock("kind", ttl=10, reentrant=True)
-    assert reentrant.acquire(blocking=False)
+    assert take(reentrant)
     with pytest.raises(LockKindMismatch, match="reentrant"):
         rl.lock("kind", ttl=10, fair=True).acquire(blocking=False)
     with pytest.raises(LockKindMismatch, match="reentrant"):
         rl.lock("kind", ttl=10).acquire(timeout=5)  # a plain waiter: its waiting attempts ask
     reentrant.release()
     fair = rl.lock("kind2", ttl=10, fair=True)
-    assert fair.acquire(blocking=False)
+    assert take(fair)
     with pytest.raises(LockKindMismatch, match="plain"):
         rl.lock("kind2", ttl=10, reentrant=True).acquire(blocking=False)
     fair.release()
@@ -322,7 +322,7 @@ def test_fair_options_are_checked(rl: Redlock) -> None:
 def test_fair_timeout_none_waits_the_retry_budget(masters: ServerSet) -> None:
     with Redlock(masters.urls, retry_count=2, retry_delay=0.2) as own:
         holder = own.lock("budget", ttl=10, fair=True)
-        assert holder.acquire(blocking=False)
+        assert take(holder)
         started = time.monotonic()
         assert not own.lock("budget", ttl=10, fair=True).acquire()
         waited = time.monotonic() - started
@@ -344,7 +344,7 @@ def test_poll_mode_keeps_arrival_order_too(masters: ServerSet, rl: Redlock) -> N
                 holds.hold(who, lock)
 
     holder = rl.lock("poll-order", ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     threads = []
     for who in range(6):
         threads.append(threading.Thread(target=run, args=(who,), daemon=True))

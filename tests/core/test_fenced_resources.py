@@ -40,6 +40,8 @@ from celery_redlock.fenced import FencedKey, FencedRows
 from celery_redlock.lock import scripts
 from celery_redlock.testing import RedisServer, ServerSet
 
+from .conftest import take
+
 pytestmark = pytest.mark.timeout(60)
 
 PG_DSN = "host=127.0.0.1 port=5432 user=postgres connect_timeout=3"
@@ -787,7 +789,7 @@ def test_a_fenced_lock_waits_for_a_release(rl: Redlock, masters: ServerSet) -> N
     # A fallback poll and a retry delay far longer than the test: only the release can wake it.
     with Redlock(masters.urls, retry_delay=10, wait_poll=8) as other:
         holder = rl.lock(name, ttl=5.0, fenced=True)
-        assert holder.acquire(blocking=False)
+        assert take(holder)
         waiter = other.lock(name, ttl=5.0, fenced=True)
         pending = Outcome(lambda: waiter.acquire(timeout=10))
         time.sleep(0.2)  # the waiter is asleep in its room by then (not a synchronisation)

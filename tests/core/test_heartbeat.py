@@ -12,7 +12,7 @@ from celery_redlock import Lock, LockLost, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
 
-from .conftest import wait_for
+from .conftest import take, wait_for
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def heartbeat() -> Heartbeat:
 
 def test_keeps_a_lock_for_many_ttls(rl: Redlock, heartbeat: Heartbeat) -> None:
     lock = rl.lock("kept", ttl=0.3)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     heartbeat.keep(lock)
     started = time.monotonic()
     contender = rl.lock("kept", ttl=0.3)
@@ -34,13 +34,13 @@ def test_keeps_a_lock_for_many_ttls(rl: Redlock, heartbeat: Heartbeat) -> None:
         time.sleep(0.05)
     heartbeat.forget(lock)
     lock.release()
-    assert contender.acquire(blocking=False)
+    assert take(contender)
     contender.release()
 
 
 def test_reports_a_lost_lock_once(masters: ServerSet, rl: Redlock, heartbeat: Heartbeat) -> None:
     lock = rl.lock("lost", ttl=0.6)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     reasons: list[str] = []
     lost = threading.Event()
 
@@ -62,7 +62,7 @@ def test_a_passing_fault_does_not_cost_the_lock(
     masters: ServerSet, rl: Redlock, heartbeat: Heartbeat
 ) -> None:
     lock = rl.lock("blip", ttl=1.5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     lost = threading.Event()
     heartbeat.keep(lock, interval=0.2, on_lost=lambda _l, _r: lost.set())
     for i in (0, 1, 2):
@@ -80,7 +80,7 @@ def test_a_passing_fault_does_not_cost_the_lock(
 
 def test_max_hold_stops_extending(rl: Redlock, heartbeat: Heartbeat) -> None:
     lock = rl.lock("capped", ttl=0.3)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     lost = threading.Event()
     reasons: list[str] = []
     heartbeat.keep(lock, max_hold=0.5, on_lost=lambda _l, reason: (reasons.append(reason), lost.set()))
@@ -95,7 +95,7 @@ def test_a_capped_holder_is_told_while_its_key_is_still_there(rl: Redlock, heart
     """At max hold the body learns it (owned() False, ensure() raises) before the lock can go:
     the key is still on the masters, so no other client can have taken it yet."""
     lock = rl.lock("capped-told", ttl=3.0)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     lost = threading.Event()
     heartbeat.keep(lock, interval=0.2, max_hold=0.5, on_lost=lambda _l, _r: lost.set())
     assert lost.wait(3.0)
@@ -109,7 +109,7 @@ def test_a_capped_holder_is_told_while_its_key_is_still_there(rl: Redlock, heart
 
 def test_released_locks_are_dropped_silently(rl: Redlock, heartbeat: Heartbeat) -> None:
     lock = rl.lock("dropped", ttl=0.3)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     lost = threading.Event()
     heartbeat.keep(lock, on_lost=lambda _l, _r: lost.set())
     lock.release()  # released without forget(): the heartbeat notices the token is gone

@@ -20,7 +20,7 @@ from celery_redlock import Lock, Redlock
 from celery_redlock.lock.heartbeat import COMPACT_SLACK, Heartbeat
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on, wait_for
+from .conftest import keys_on, take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,7 @@ def test_keep_does_not_wake_the_thread_per_lock(rl3: Redlock, heartbeat: Heartbe
     keeps = 300
     for n in range(keeps):
         lock = rl3.lock(f"churn-{n}", ttl=30)  # due in 10 s: the thread never has to wake
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         heartbeat.keep(lock)
         heartbeat.forget(lock)
         lock.release()
@@ -91,10 +91,10 @@ def test_keep_does_not_wake_the_thread_per_lock(rl3: Redlock, heartbeat: Heartbe
 def test_forgotten_entries_do_not_pile_up(rl3: Redlock, heartbeat: Heartbeat) -> None:
     live = [rl3.lock(f"live-{n}", ttl=30) for n in range(3)]
     for lock in live:
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         heartbeat.keep(lock)
     churn = rl3.lock("churn", ttl=30)
-    assert churn.acquire(blocking=False)
+    assert take(churn)
 
     # The first forgotten entry sits in the queue (far from compaction), yet lets go of its
     # callback at once.
@@ -133,14 +133,14 @@ def test_forgotten_entries_do_not_pile_up(rl3: Redlock, heartbeat: Heartbeat) ->
 
 def test_a_lock_due_earlier_wakes_the_sleeping_thread(rl3: Redlock, heartbeat: Heartbeat) -> None:
     slow = rl3.lock("slow", ttl=30)
-    assert slow.acquire(blocking=False)
+    assert take(slow)
     heartbeat.keep(slow, interval=10)
     heartbeat.forget(slow)
     # The thread sleeps towards the forgotten lock's due time, ten seconds away.
     assert wait_for(lambda: heartbeat._sleep_until > time.monotonic() + 5, 2.0)
 
     fast = rl3.lock("fast", ttl=1.5)  # extended every 0.5 s
-    assert fast.acquire(blocking=False)
+    assert take(fast)
     acquired_at = time.monotonic()
     first_validity = fast.validity
     heartbeat.keep(fast)

@@ -14,13 +14,15 @@ from celery_redlock import ConfigError, LockNotAcquired, Redlock
 from celery_redlock.lock.resource import HOLDER_SEPARATOR
 from celery_redlock.testing import ServerSet
 
+from .conftest import take
+
 
 @pytest.mark.timeout(30)
 def test_holder_is_read_by_another_client_and_gone_after_release(masters: ServerSet) -> None:
     with Redlock(masters.urls, retry_count=0) as mine, Redlock(masters.urls, retry_count=0) as other:
         lock = mine.lock("held-by", ttl=10, holder='{"task":"t-1","pid":42}')
         assert other.holder("held-by") is None  # free
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         token = lock.token
         assert token is not None
         random_part, _, text = token.partition(HOLDER_SEPARATOR)
@@ -48,7 +50,7 @@ def test_holder_tokens_stay_unique_per_acquisition(masters: ServerSet) -> None:
         lock = rl.lock("unique", ttl=10, holder="same holder")
         tokens = set()
         for _ in range(20):
-            assert lock.acquire(blocking=False)
+            assert take(lock)
             tokens.add(lock.token)
             lock.release()
         assert len(tokens) == 20
@@ -64,7 +66,7 @@ def test_a_holder_that_cannot_be_stored_is_refused(masters: ServerSet, holder: o
 def test_a_with_block_refused_names_the_holder(rl: Redlock) -> None:
     """``with lock:`` that fails says who holds the resource (one more round, on failure only)."""
     held = rl.lock("named", ttl=10, holder='{"task":"abc","name":"charge","host":"w3","pid":4411}')
-    assert held.acquire(blocking=False)
+    assert take(held)
     try:
         with (
             pytest.raises(LockNotAcquired, match="held by task charge abc on w3 pid 4411") as caught,

@@ -14,6 +14,8 @@ from celery_redlock.lock import admin, markers
 from celery_redlock.lock.holder import HolderRecord
 from celery_redlock.testing import ServerSet
 
+from .conftest import take
+
 pytestmark = pytest.mark.one_binary
 
 
@@ -51,7 +53,7 @@ def test_a_marker_waits_beside_another_holder_and_its_run_takes_the_key_over(rl:
 
     # The run takes the free lock key and deletes its side marker in the same step.
     run = markers.HandoverLock(rl, "res", 10, marker=first, side=side)
-    assert run.acquire(blocking=False)
+    assert take(run)
     assert rl.read_everywhere(side) == [None] * len(rl.masters)
     assert run.token is not None and rl.holder("res") == run.token.partition("|")[2]
     run.release()
@@ -139,7 +141,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     )
     assert again.value is None and again.beside == first
     other.release()
-    assert run.acquire(blocking=False)
+    assert take(run)
     assert rl.read_everywhere(side) == [None] * 5
     run.release()
 

@@ -11,7 +11,7 @@ import pytest
 from celery_redlock import LockLost, LockNotAcquired, Redlock
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on, values_on
+from .conftest import keys_on, take, values_on
 
 SUBSETS = [c for r in range(6) for c in itertools.combinations(range(5), r)]
 
@@ -48,7 +48,7 @@ def test_acquire_succeeds_iff_a_quorum_is_free(masters: ServerSet, rl: Redlock) 
 
 def test_failed_vote_account_names_every_master(masters: ServerSet, rl: Redlock) -> None:
     first = rl.lock("acct", ttl=10)
-    assert first.acquire(blocking=False)
+    assert take(first)
     second = rl.lock("acct", ttl=10)
     assert not second.acquire(blocking=False)
     error = second.last_error
@@ -66,7 +66,7 @@ def test_failed_vote_account_names_every_master(masters: ServerSet, rl: Redlock)
 def contended_error(rl: Redlock, name: str) -> LockNotAcquired:
     """The error of a second acquisition of ``name`` while a first holds it."""
     first = rl.lock(name, ttl=10)
-    assert first.acquire(blocking=False)
+    assert take(first)
     second = rl.lock(name, ttl=10)
     assert not second.acquire(blocking=False)
     first.release()
@@ -88,7 +88,7 @@ def test_owned_validity_token_and_locked(rl: Redlock) -> None:
     lock = rl.lock("state", ttl=5)
     assert not lock.owned() and lock.validity == 0.0 and lock.token is None
     assert not lock.locked()
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.owned() and 4.8 < lock.validity <= 5.0
     assert lock.token is not None and len(lock.token) == 40
     assert lock.locked() and rl.lock("state").locked()
@@ -101,7 +101,7 @@ def test_tokens_are_unique_per_acquisition(rl: Redlock) -> None:
     lock = rl.lock("tokens", ttl=5)
     seen = set()
     for _ in range(20):
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         seen.add(lock.token)
         lock.release()
     assert len(seen) == 20
@@ -109,7 +109,7 @@ def test_tokens_are_unique_per_acquisition(rl: Redlock) -> None:
 
 def test_extend_replaces_the_ttl_on_a_quorum(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("ext", ttl=1)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.extend(ttl=20)
     assert lock.validity > 19
     for server in masters:
@@ -122,7 +122,7 @@ def test_extend_replaces_the_ttl_on_a_quorum(masters: ServerSet, rl: Redlock) ->
 
 def test_extend_after_expiry_fails_and_creates_nothing(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("expired", ttl=0.2)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     deadline = time.monotonic() + 5
     while any(keys_on(masters, "redlock:expired").values()):
         assert time.monotonic() < deadline
@@ -135,7 +135,7 @@ def test_extend_after_expiry_fails_and_creates_nothing(masters: ServerSet, rl: R
 
 def test_extend_of_a_lock_retaken_by_another_fails(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("retaken", ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     for server in masters:  # the lock expired everywhere and someone else took it
         server.client().set("redlock:retaken", "other", px=60_000)
     assert not lock.extend()
@@ -148,7 +148,7 @@ def test_extend_of_a_lock_retaken_by_another_fails(masters: ServerSet, rl: Redlo
 
 def test_release_never_deletes_another_tokens_key(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("mine", ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     masters[0].client().set("redlock:mine", "other", px=60_000)
     lock.release()
     assert masters[0].client().get("redlock:mine") == b"other"
@@ -159,7 +159,7 @@ def test_a_flushed_script_cache_breaks_nothing(masters: ServerSet, rl: Redlock) 
     # Scripts travel by digest; a master that lost them answers NOSCRIPT, runs nothing, and the
     # transport sends it the source (EVAL) within the call: the extension and the release work.
     lock = rl.lock("noscript", ttl=5)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     for server in masters:
         server.client().script_flush()
     assert lock.extend()
@@ -174,7 +174,7 @@ def test_a_flushed_script_cache_breaks_nothing(masters: ServerSet, rl: Redlock) 
 
 def test_blocking_acquire_waits_for_the_release(masters: ServerSet, rl: Redlock) -> None:
     holder = rl.lock("wait", ttl=0.5)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     waiter = Redlock(masters.urls, retry_delay=0.05)
     try:
         started = time.monotonic()
@@ -186,7 +186,7 @@ def test_blocking_acquire_waits_for_the_release(masters: ServerSet, rl: Redlock)
 
 def test_timeout_bounds_a_blocking_acquire(rl: Redlock) -> None:
     holder = rl.lock("bounded", ttl=30)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     started = time.monotonic()
     assert not rl.lock("bounded").acquire(timeout=0.5)
     assert 0.4 < time.monotonic() - started < 2.0

@@ -33,7 +33,7 @@ from celery_redlock.lock.heartbeat import Heartbeat
 from celery_redlock.lock.owner import open_scope
 from celery_redlock.testing import ServerSet
 
-from .conftest import wait_for
+from .conftest import take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,7 +76,7 @@ def test_depth_is_mirrored_and_only_the_last_exit_frees(rl: Redlock, masters: Se
 
     try:
         for depth in range(1, 6):
-            assert lock.acquire(blocking=False)
+            assert take(lock)
             assert lock.depth == depth
             assert wait_for(lambda d=depth: counts(masters, "redlock:deep") == [[d]] * 5, 2.0)
             assert not in_thread(
@@ -111,7 +111,7 @@ def test_another_thread_does_not_reenter_even_through_the_same_object(rl: Redloc
 def test_asyncio_tasks_are_owners_of_their_own(rl: Redlock) -> None:
     async def main() -> tuple[bool, bool, bool]:
         lock = rl.lock("tasks", ttl=10, reentrant=True)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         again = lock.acquire(blocking=False)  # the same task re-enters
         child = await asyncio.create_task(asyncio.to_thread(lambda: False))
         created = await asyncio.create_task(_try(lock))  # a task made inside the block
@@ -148,7 +148,7 @@ def test_scopes_are_owners_and_a_copied_context_is_not(rl: Redlock) -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_is_another_owner(rl: Redlock, masters: ServerSet) -> None:
     lock = rl.lock("fork", ttl=10, reentrant=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's verdict is its exit code
         code = 1
@@ -167,7 +167,7 @@ def test_a_forked_child_is_another_owner(rl: Redlock, masters: ServerSet) -> Non
 def test_reentry_into_a_lost_lock_raises(masters: ServerSet) -> None:
     with Redlock(masters.urls, retry_count=0, request_timeout=0.1) as rl:
         lock = rl.lock("lost", ttl=0.3, reentrant=True)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert wait_for(lambda: not lock.owned(), 2.0)
         with pytest.raises(LockLost):
             lock.acquire(blocking=False)
@@ -187,14 +187,14 @@ def test_reentry_into_a_lost_lock_raises(masters: ServerSet) -> None:
 
 def test_mixing_kinds_is_a_clear_error(rl: Redlock, masters: ServerSet) -> None:
     plain = rl.lock("mixed", ttl=10)
-    assert plain.acquire(blocking=False)
+    assert take(plain)
     started = time.monotonic()
     with pytest.raises(LockKindMismatch, match="plain lock"):
         in_thread(lambda: rl.lock("mixed", ttl=10, reentrant=True).acquire(timeout=5))
     assert time.monotonic() - started < 1.0  # refused at the first attempt, not after waiting
     plain.release()
     reentrant = rl.lock("mixed", ttl=10, reentrant=True)
-    assert reentrant.acquire(blocking=False)
+    assert take(reentrant)
     # The other way round, a plain lock meets a hash: held, as any contender sees it.
     assert not in_thread(lambda: rl.lock("mixed", ttl=10).acquire(blocking=False))
     reentrant.release()
@@ -205,7 +205,7 @@ def test_the_heartbeat_keeps_the_owners_holding(masters: ServerSet) -> None:
         heartbeat = Heartbeat()
         try:
             lock = rl.lock("kept", ttl=0.6, reentrant=True)
-            assert lock.acquire(blocking=False)
+            assert take(lock)
             heartbeat.keep(lock, interval=0.15)
             time.sleep(1.5)
             assert lock.owned()

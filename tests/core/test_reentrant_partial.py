@@ -88,7 +88,7 @@ def partial_reentry(lock: ReentrantLock) -> None:
     """Re-enter with DELAYED slow: granted, at depth 2, with the validity unchanged."""
     before = valid_until(lock)
     started = now()
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     took = now() - started
     inner = lock.holding()
     assert inner is not None
@@ -110,7 +110,7 @@ def test_partial_reentry_is_granted_and_harmless(
     heals, and everything lands."""
     proxies, owner, contender = proxied
     lock = owner.lock(NAME, ttl=TTL, reentrant=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     delay(proxies, direction)
     partial_reentry(lock)
     assert not contender_gets_it(contender)
@@ -139,7 +139,7 @@ def test_release_overtaking_a_late_reentry_leaves_nothing(
     R_ENTER must then find nothing to enter: it never creates the key."""
     proxies, owner, contender = proxied
     lock = owner.lock(NAME, ttl=TTL, reentrant=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     delay(proxies, direction, LONG_DELAY)
     partial_reentry(lock)
     lock.release()
@@ -171,7 +171,7 @@ def test_delayed_final_release_leaves_nothing(
     proxies, owner, contender = proxied
     lock = owner.lock(NAME, ttl=TTL, reentrant=True)
     assert take(lock), lock.last_error
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.depth == 2
     assert wait_for(lambda: counts(masters, KEY) == [[2]] * 5, 1.0), counts(masters, KEY)
     lock.release()

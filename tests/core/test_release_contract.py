@@ -32,7 +32,7 @@ from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock.owner import open_scope
 from celery_redlock.testing import ProxySet, ServerSet
 
-from .conftest import keys_on, wait_for
+from .conftest import keys_on, take, wait_for
 
 pytestmark = pytest.mark.one_binary
 
@@ -216,7 +216,7 @@ def test_leaving_a_with_block_waits_for_the_release(masters: ServerSet, path: st
 def test_release_answers_true_and_is_idempotent(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("contract-answers", ttl=10)
     assert lock.release() is True  # not held: nothing to do
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.release() is True
     assert not any(keys_on(masters, "redlock:contract-answers").values())  # gone when it returned
     assert lock.release() is True
@@ -317,7 +317,7 @@ def test_release_linger_is_deprecated_and_has_no_effect(masters: ServerSet, valu
     with rl, Redlock(masters.urls, retry_count=0) as other:
         assert not hasattr(rl, "flush_releases")
         lock = rl.lock("contract-linger", ttl=10)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         assert lock.release() is True
         theirs = other.lock("contract-linger", ttl=10)
         assert theirs.acquire(blocking=False), [str(v) for v in theirs.last_votes]

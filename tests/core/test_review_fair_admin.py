@@ -33,7 +33,7 @@ from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock import admin, resource
 from celery_redlock.testing import ProxySet, ServerSet
 
-from .conftest import keys_on, wait_for
+from .conftest import keys_on, take, wait_for
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.explore]
 
@@ -82,7 +82,7 @@ def test_a_killed_fair_waiter_leaves_no_key_behind(masters: ServerSet, rl: Redlo
     prune runs only inside a later FAIR_ACQUIRE on the same name) and the ZSETs carry no TTL."""
     name = f"leak-{os.getpid()}-{random.getrandbits(32)}"
     holder = rl.lock(name, ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     child = multiprocessing.get_context("fork").Process(target=_park, args=(masters.urls, name), daemon=True)
     child.start()
     assert wait_for(lambda: set(_queued_everywhere(masters, name)) == {1}, 10)
@@ -107,7 +107,7 @@ def test_a_holder_granted_through_the_queue_that_crashes_leaves_no_key_behind(
     holding the lock: the lock key expires by its TTL, its entry stays for ever."""
     name = f"crash-{os.getpid()}-{random.getrandbits(32)}"
     holder = rl.lock(name, ttl=10, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     child = multiprocessing.get_context("fork").Process(
         target=_take_and_crash, args=(masters.urls, name), daemon=True
     )
@@ -131,7 +131,7 @@ def test_a_probe_answered_by_a_minority_cannot_queue_ahead_of_an_entry_on_a_quor
     name = f"minority-probe-{os.getpid()}"
     addresses = [server.address for server in masters]
     holder = rl.lock(name, ttl=20, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     order: list[str] = []
     mutex = threading.Lock()
     with ProxySet(addresses, name="a") as pa, ProxySet(addresses, name="b") as pb:
@@ -202,7 +202,7 @@ def test_a_polling_fair_waiter_keeps_its_place_when_retry_delay_exceeds_the_entr
     monkeypatch.setattr(resource, "random", _WorstJitter)
     name = f"poll-ttl-{os.getpid()}"
     holder = rl.lock(name, ttl=20, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     order: list[str] = []
 
     def run(who: str, polling: bool) -> None:
@@ -240,7 +240,7 @@ def test_names_ending_in_a_reserved_suffix_are_refused_and_old_suffixes_are_plai
             with pytest.raises(ConfigError, match="reserved"):
                 rl.lock(name, ttl=10, **options)  # type: ignore[call-overload]
     holder = rl.lock("jobs", ttl=20, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     waiter = rl.lock("jobs", ttl=10, fair=True)
     thread = threading.Thread(target=lambda: waiter.acquire(timeout=5), daemon=True)
     thread.start()
@@ -271,7 +271,7 @@ def test_force_release_never_deletes_a_newer_holders_token(
     name = f"race-{kind}"
     options = {"fair": {"fair": True}, "reentrant": {"reentrant": True}, "plain": {}}[kind]
     first = rl.lock(name, ttl=20, **options)  # type: ignore[call-overload]
-    assert first.acquire(blocking=False)
+    assert take(first)
     view = admin.show(rl, name)
     assert view.held
     first.release()
@@ -354,7 +354,7 @@ def test_health_is_unsafe_with_a_quorum_paused(masters: ServerSet) -> None:
 
 def test_show_of_a_fair_queue_and_a_reentrant_hash(masters: ServerSet, rl: Redlock) -> None:
     holder = rl.lock("shown", ttl=20, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     waiter = rl.lock("shown", ttl=10, fair=True)
     thread = threading.Thread(target=lambda: waiter.acquire(timeout=3), daemon=True)
     thread.start()
@@ -445,7 +445,7 @@ def test_a_waiter_that_gives_up_while_a_master_is_paused_leaves_no_entry(
     resumes, a late join may run after the leave and queue the member again."""
     name = f"paused-leave-{os.getpid()}"
     holder = rl.lock(name, ttl=20, fair=True)
-    assert holder.acquire(blocking=False)
+    assert take(holder)
     waiter = rl.lock(name, ttl=10, fair=True)
     done = threading.Event()
 
@@ -473,10 +473,10 @@ def test_ls_limit_is_not_used_up_by_fence_counters(masters: ServerSet, rl: Redlo
     earlier today use up ``--limit 20``, and the one lock held now is not listed."""
     for i in range(30):
         fenced = rl.lock(f"f{i:02d}", ttl=5, fenced=True)
-        assert fenced.acquire(blocking=False)
+        assert take(fenced)
         fenced.release()
     held = rl.lock("zz-held", ttl=20)
-    assert held.acquire(blocking=False)
+    assert take(held)
     try:
         listing = admin.list_locks(rl, limit=20)
         assert [view.name for view in listing.locks] == ["zz-held"], (listing.complete, listing.locks)

@@ -34,7 +34,7 @@ from celery_redlock.lock import masters as master_module
 from celery_redlock.lock.redlock import MAX_TTL
 from celery_redlock.testing import RedisServer, ServerSet, free_port
 
-from .conftest import wait_for
+from .conftest import take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,7 +96,7 @@ def test_blocking_must_be_a_bool(redlock_masters: ServerSet, blocking: object) -
     would wait out every retry. It is refused at once, naming ``blocking``."""
     with Redlock(redlock_masters.urls[:3], retry_count=50, retry_delay=0.2) as rl:
         holder = rl.lock("blocking-typed", ttl=10)
-        assert holder.acquire(blocking=False)
+        assert take(holder)
         try:
             contender = rl.lock("blocking-typed", ttl=10)
             started = time.monotonic()

@@ -24,7 +24,7 @@ from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock.resource import Lock
 from celery_redlock.testing import ServerSet
 
-from .conftest import wait_for
+from .conftest import take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +54,7 @@ def handoff(holder: Redlock, waiter: Redlock, name: str, free: object = None) ->
     """Seconds from the holder's release (or ``free(held_lock)``) returning to the waiter's acquire
     returning True; the waiter is asleep in its room before the release."""
     held = holder.lock(name, ttl=10)
-    assert held.acquire(blocking=False)
+    assert take(held)
     result: dict[str, object] = {}
 
     def wait() -> None:
@@ -97,7 +97,7 @@ def test_release_publishes_only_what_it_deletes(masters: ServerSet, rl: Redlock)
         assert pubsub.get_message(timeout=2)["type"] == "subscribe"
         assert rl.release_key("redlock:published", "not-held") is True  # answered; deletes nothing
         lock = rl.lock("published", ttl=5)
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         lock.release()
         message = pubsub.get_message(timeout=2)
         assert message is not None and message["type"] == "message", message
@@ -148,7 +148,7 @@ def test_listening_links_killed_before_the_release(masters: ServerSet, pair: tup
 def test_timeout_bounds_the_call(rl: Redlock, masters: ServerSet) -> None:
     with Redlock(masters.urls, retry_delay=10, request_timeout=0.2) as waiter:
         held = rl.lock("bounded", ttl=10)
-        assert held.acquire(blocking=False)
+        assert take(held)
         for timeout in (0.0, 0.3, 1.0):
             started = time.monotonic()
             assert not waiter.lock("bounded", ttl=10).acquire(timeout=timeout)
@@ -161,7 +161,7 @@ def test_timeout_bounds_the_call(rl: Redlock, masters: ServerSet) -> None:
 def test_no_limit_waits_until_the_release(pair: tuple[Redlock, Redlock], forever: float) -> None:
     holder, waiter = pair
     held = holder.lock("forever", ttl=10)
-    assert held.acquire(blocking=False)
+    assert take(held)
     timer = threading.Timer(0.5, held.release)
     timer.start()
     started = time.monotonic()
@@ -198,7 +198,7 @@ def test_bad_wait_options_are_refused_by_name(masters: ServerSet, option: str, v
 def test_cancelled_ends_the_wait(pair: tuple[Redlock, Redlock]) -> None:
     holder, waiter = pair
     held = holder.lock("cancel", ttl=10)
-    assert held.acquire(blocking=False)
+    assert take(held)
     stop_at = time.monotonic() + 0.3
     started = time.monotonic()
     assert not waiter.lock("cancel", ttl=10).acquire(timeout=8, cancelled=lambda: time.monotonic() > stop_at)
@@ -211,7 +211,7 @@ def test_one_listening_link_per_master(masters: ServerSet, pair: tuple[Redlock, 
     names = [f"many-{n}" for n in range(5)]
     held = [holder.lock(name, ttl=10) for name in names]
     for lock in held:
-        assert lock.acquire(blocking=False)
+        assert take(lock)
     before = pubsub_clients(masters)
     got: list[str] = []
     errors: list[BaseException] = []
@@ -245,7 +245,7 @@ def test_poll_mode_opens_no_listening_link(masters: ServerSet) -> None:
         Redlock(masters.urls, request_timeout=0.2, retry_delay=0.05, wait="poll") as waiter,
     ):
         held = holder.lock("polled", ttl=10)
-        assert held.acquire(blocking=False)
+        assert take(held)
         threading.Timer(0.3, held.release).start()
         lock = waiter.lock("polled", ttl=10)
         assert lock.acquire(timeout=5)
@@ -278,7 +278,7 @@ def test_forked_child_waits_on_its_own(pair: tuple[Redlock, Redlock]) -> None:
     holder, waiter = pair
     handoff(holder, waiter, "fork-warm")  # the parent's listening thread runs
     held = holder.lock("fork", ttl=10)
-    assert held.acquire(blocking=False)
+    assert take(held)
     threading.Timer(0.5, held.release).start()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child's outcome is its exit code
@@ -356,7 +356,7 @@ def test_woken_when_an_abandoned_lock_expires(masters: ServerSet) -> None:
         Redlock(masters.urls, retry_delay=10, request_timeout=0.5, wait_poll=5.0) as waiter,
     ):
         abandoned = holder.lock("abandoned", ttl=1.0)
-        assert abandoned.acquire(blocking=False)
+        assert take(abandoned)
         taken_at = time.monotonic()
         lock = waiter.lock("abandoned", ttl=10)
         assert lock.acquire(timeout=8)

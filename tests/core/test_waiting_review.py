@@ -26,7 +26,7 @@ from celery_redlock import Redlock
 from celery_redlock.lock import subscriber as subscriber_module
 from celery_redlock.testing import ServerSet
 
-from .conftest import wait_for
+from .conftest import take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -50,7 +50,7 @@ def test_split_vote_waiter_retries_within_wait_poll_of_the_release(masters: Serv
         Redlock(masters.urls, retry_delay=1000, request_timeout=0.2, wait_poll=0.5) as waiter,
     ):
         held = part.lock("split-live", ttl=20)
-        assert held.acquire(blocking=False)
+        assert take(held)
         result: dict[str, object] = {}
 
         def wait() -> None:
@@ -83,7 +83,7 @@ def test_split_vote_wait_sees_cancelled_within_half_a_second(masters: ServerSet)
         Redlock(masters.urls, retry_delay=1000, request_timeout=0.2, wait_poll=0.5) as waiter,
     ):
         first = one.lock("split-cancel", ttl=20)
-        assert first.acquire(blocking=False)
+        assert take(first)
         cancel = threading.Event()
         result: dict[str, object] = {}
 
@@ -136,7 +136,7 @@ def test_a_master_refusing_subscribe_does_not_hold_up_every_join(
     ):
         for n in range(3):  # the first join may also wait for connects: look at later ones too
             held = holder.lock(f"noperm-{n}", ttl=10)
-            assert held.acquire(blocking=False)
+            assert take(held)
             timer = threading.Timer(0.2, held.release)
             started = time.monotonic()
             timer.start()
@@ -165,7 +165,7 @@ def test_an_unsubscribed_listening_link_is_not_taken_for_dead(
         Redlock(masters.urls, request_timeout=0.2) as waiter,
     ):
         held = holder.lock("idle-ping", ttl=10)
-        assert held.acquire(blocking=False)
+        assert take(held)
         threading.Timer(0.2, held.release).start()
         lock = waiter.lock("idle-ping", ttl=10)
         assert lock.acquire(timeout=5)
@@ -196,8 +196,8 @@ def test_cancelled_is_not_called_holding_the_subscribers_condition(masters: Serv
     ):
         a_held = holder.lock("cb-a", ttl=10)
         b_held = holder.lock("cb-b", ttl=10)
-        assert a_held.acquire(blocking=False)
-        assert b_held.acquire(blocking=False)
+        assert take(a_held)
+        assert take(b_held)
         in_wait = threading.Event()
         done: dict[str, object] = {}
 
