@@ -46,11 +46,11 @@ from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
 HERE = Path(__file__).resolve().parent  # floor.py is imported from here by the worker
 
-APP_SOURCE = textwrap.dedent('''
+APP_SOURCE = textwrap.dedent("""
     import os
 
-    from celery import Celery, Task
-    from floor import RELEASE_SOURCE, RawMasters, pack
+    from celery import Celery
+    from floortask import FloorTask
 
     from celery_redlock import RedlockTask
 
@@ -65,35 +65,10 @@ APP_SOURCE = textwrap.dedent('''
     def locked(i):
         return i
 
-    floor_state = {"pid": None}
-
-    class FloorTask(Task):
-        """The floor (benchmarks/floor.py): raw SET NX PX, released as the body ends."""
-
-        abstract = True
-
-        def before_start(self, task_id, args, kwargs):
-            if floor_state["pid"] != os.getpid():  # connections of this process's own
-                urls = os.environ["BENCH_MASTERS"].split(",")
-                floor_state.update(pid=os.getpid(), masters=RawMasters(urls))
-            masters = floor_state["masters"]
-            key, token = "floor:%s" % args[0], os.urandom(20).hex()
-            granted = masters.call(pack("SET", key, token, "NX", "PX", 30000))
-            if sum(reply == b"+OK" for reply in granted) < masters.quorum:
-                raise RuntimeError(f"floor: no quorum granted {key}")
-            self.request.floor_lock = (key, token)
-
-        def __call__(self, *args, **kwargs):
-            try:
-                return self.run(*args, **kwargs)
-            finally:
-                key, token = self.request.floor_lock
-                floor_state["masters"].call(pack("EVAL", RELEASE_SOURCE, 1, key, token))
-
     @app.task(base=FloorTask, name="bench.floor")
     def floor(i):
         return i
-''')
+""")
 
 KINDS = ("bench.plain", "bench.floor", "bench.locked")
 

@@ -54,13 +54,13 @@ from celery.result import AsyncResult
 from celery_redlock import is_skipped
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 
-APP_SOURCE = textwrap.dedent('''
+APP_SOURCE = textwrap.dedent("""
     import os
     import time
 
     import redis
-    from celery import Celery, Task
-    from floor import RELEASE_SOURCE, RawMasters, pack
+    from celery import Celery
+    from floortask import FloorTask
 
     from celery_redlock import RedlockTask
     from celery_redlock.signals import lock_contended
@@ -90,31 +90,6 @@ APP_SOURCE = textwrap.dedent('''
     def plain(k, i):
         return i
 
-    floor_state = {"pid": None}
-
-    class FloorTask(Task):
-        """The floor (benchmarks/floor.py): raw SET NX PX, released as the body ends."""
-
-        abstract = True
-
-        def before_start(self, task_id, args, kwargs):
-            if floor_state["pid"] != os.getpid():  # connections of this process's own
-                urls = os.environ["BENCH_MASTERS"].split(",")
-                floor_state.update(pid=os.getpid(), masters=RawMasters(urls))
-            masters = floor_state["masters"]
-            key, token = "floor:%s" % args[0], os.urandom(20).hex()
-            granted = masters.call(pack("SET", key, token, "NX", "PX", 30000))
-            if sum(reply == b"+OK" for reply in granted) < masters.quorum:
-                raise RuntimeError(f"floor: no quorum granted {key}")
-            self.request.floor_lock = (key, token)
-
-        def __call__(self, *args, **kwargs):
-            try:
-                return self.run(*args, **kwargs)
-            finally:
-                key, token = self.request.floor_lock
-                floor_state["masters"].call(pack("EVAL", RELEASE_SOURCE, 1, key, token))
-
     @app.task(base=FloorTask, name="chain.floor")
     def floor_step(k, i):
         return i
@@ -134,7 +109,7 @@ APP_SOURCE = textwrap.dedent('''
     @app.task(base=RedlockTask, lock_key="step:<k>", lock_contended="wait", name="chain.wait")
     def step_wait(k, i):
         return i
-''')
+""")
 
 CONTENDED = "bench:contended"  # hash the app counts lock_contended signals in: "task:policy" -> n
 MODES = ("plain", "floor", "retry", "skip", "fail", "wait")

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
 
@@ -105,6 +108,28 @@ def tag() -> str:
 
 def records(lockapp: Any, name: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in lockapp.store().lrange(name, 0, -1)]
+
+
+def listed(broker: RedisServer, name: str) -> list[dict[str, Any]]:
+    """The JSON records a test app pushed to the list ``name`` on the broker's server."""
+    client = redis.Redis.from_url(broker.url, socket_timeout=5)
+    try:
+        return [json.loads(raw) for raw in client.lrange(name, 0, -1)]
+    finally:
+        client.close()
+
+
+def celery_cli(app: str, env: dict[str, str], *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``celery -A <app> redlock <args>`` run from this folder, as an operator runs it."""
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", app, "redlock", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=HERE,
+        timeout=timeout,
+    )
 
 
 def holds(intervals: list[dict[str, Any]]) -> list[Hold]:

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
+from conftest import celery_cli, listed
 from prometheus_client.parser import text_string_to_metric_families
 
 from celery_redlock import Redlock
@@ -84,23 +83,7 @@ def cli(
     broker: RedisServer, masters: ServerSet, *args: str, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """``celery -A opsapp redlock <args>``, as an operator runs it."""
-    env = {**os.environ, **ops_env(broker, masters), "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "opsapp", "redlock", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=HERE,
-        timeout=timeout,
-    )
-
-
-def records(broker: RedisServer, name: str) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(broker.url, socket_timeout=5)
-    try:
-        return [json.loads(raw) for raw in client.lrange(name, 0, -1)]
-    finally:
-        client.close()
+    return celery_cli("opsapp", ops_env(broker, masters), *args, timeout=timeout)
 
 
 def wait_until(predicate: Any, timeout: float, what: str) -> Any:
@@ -117,7 +100,7 @@ def wait_until(predicate: Any, timeout: float, what: str) -> Any:
 def started_runs(broker: RedisServer, name: str, count: int) -> list[dict[str, Any]]:
     return wait_until(
         lambda: (
-            (found := [r for r in records(broker, name) if r["event"] in ("start", "ran")])
+            (found := [r for r in listed(broker, name) if r["event"] in ("start", "ran")])
             and len(found) >= count
             and found
         ),

@@ -6,10 +6,8 @@ refused too."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
+from conftest import celery_cli, listed
 
 from celery_redlock import Redlock
 from celery_redlock.lock import admin
@@ -75,23 +73,7 @@ def cli(
     broker: RedisServer, masters: ServerSet, *args: str, timeout: float = 90
 ) -> subprocess.CompletedProcess[str]:
     """``celery -A livenessapp redlock <args>``, as an operator runs it."""
-    env = {**os.environ, **app_env(broker, masters), "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT)])}
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "livenessapp", "redlock", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=HERE,
-        timeout=timeout,
-    )
-
-
-def records(broker: RedisServer, name: str) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(broker.url, socket_timeout=5)
-    try:
-        return [json.loads(raw) for raw in client.lrange(name, 0, -1)]
-    finally:
-        client.close()
+    return celery_cli("livenessapp", app_env(broker, masters), *args, timeout=timeout)
 
 
 def wait_for_records(
@@ -99,7 +81,7 @@ def wait_for_records(
 ) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     while True:
-        found = [r for r in records(broker, name) if r["event"] == event]
+        found = [r for r in listed(broker, name) if r["event"] == event]
         if len(found) >= count:
             return found
         if time.monotonic() > deadline:
@@ -138,7 +120,7 @@ def test_each_runs_record_carries_the_interval_its_heartbeat_extends_at(
         assert admin.show(rl, name).token == token
     for result in results:
         assert result.get(timeout=60) is not None
-    assert not [r for r in records(broker, tag) if r["event"] == "end" and r["lost"]]
+    assert not [r for r in listed(broker, tag) if r["event"] == "end" and r["lost"]]
 
 
 @pytest.mark.timeout(180)
@@ -163,7 +145,7 @@ def test_release_never_frees_a_task_extended_every_2_s_on_a_3_s_ttl_and_no_dupli
     assert first.get(timeout=60) == tag
     for result in duplicates:
         assert result.get(timeout=60) == tag
-    runs = records(broker, tag)
+    runs = listed(broker, tag)
     assert not [r for r in runs if r["event"] == "end" and r["lost"]], runs
     found = holds(runs)
     assert len(found) == 4, runs

@@ -33,6 +33,8 @@ from celery_redlock.lock.fencing import COUNTER_SUFFIX
 from celery_redlock.testing import ProxySet, RedisServer, ServerError, ServerSet
 from celery_redlock.testing.servers import faketime_library
 
+from .conftest import take
+
 pytestmark = [pytest.mark.one_binary, pytest.mark.timeout(60)]
 
 RATE = 100.0  # masters 2-4's clock speed: a key's TTL lasts 1/RATE of it in real time
@@ -79,7 +81,7 @@ def test_a_fence_written_back_to_a_minority_is_refused_so_no_fence_repeats(
     with Redlock(proxies.urls, retry_count=0, request_timeout=1.0) as rl:
         # Connections made and both scripts cached everywhere, so each round below is one trip.
         warm = rl.lock("fence-minority-warm", ttl=TTL_B, fenced=True)
-        assert warm.acquire(blocking=False), warm.last_error
+        assert take(warm), warm.last_error
         warm.release()
 
         a = rl.lock("fence-minority", ttl=TTL_A, fenced=True)
@@ -107,7 +109,7 @@ def test_a_fence_written_back_to_a_minority_is_refused_so_no_fence_repeats(
         for i in PROMPT:
             proxies[i].cut()
         b = rl.lock("fence-minority", ttl=TTL_B, fenced=True)
-        assert b.acquire(blocking=False), b.last_error
+        assert take(b), b.last_error
         assert b.fence is not None
         granted.append(("B", b.fence))
         b.release()

@@ -29,6 +29,8 @@ import pytest
 from celery_redlock import Redlock
 from celery_redlock.testing import ProxySet, ServerSet
 
+from .conftest import take
+
 pytestmark = [pytest.mark.one_binary, pytest.mark.timeout(60)]
 
 DELAY = 0.6  # seconds each of X's requests waits in its proxy
@@ -43,7 +45,7 @@ def test_a_later_hold_carries_the_larger_fence_when_the_grants_overlap(masters: 
     ):
         for client in (slow, fast):  # connections made and the scripts cached: one trip per round
             warm = client.lock(NAME + "-warm", ttl=5, fenced=True)
-            assert warm.acquire(blocking=False), warm.last_error
+            assert take(warm), warm.last_error
             warm.release()
 
         x = slow.lock(NAME, ttl=10, fenced=True)

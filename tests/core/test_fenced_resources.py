@@ -740,7 +740,7 @@ def test_fences_from_a_real_lock_refuse_a_holder_that_stalled_past_its_ttl(
         b_conn = sqlite3.connect(path, timeout=10, check_same_thread=False)
         try:
             lock_a = a_side.lock(name, ttl=1.0, fenced=True)
-            assert lock_a.acquire(blocking=False), lock_a.last_error
+            assert take(lock_a), lock_a.last_error
             fence_a = lock_a.fence
             assert isinstance(fence_a, int)
             with a_conn:

@@ -26,6 +26,8 @@ from celery_redlock.lock import scripts
 from celery_redlock.lock.fencing import COUNTER_SUFFIX, FencedLock
 from celery_redlock.testing import ServerSet
 
+from .conftest import take
+
 pytestmark = pytest.mark.timeout(90)
 
 
@@ -46,7 +48,7 @@ def test_fences_increase_grant_after_grant(rl: Redlock, masters: ServerSet) -> N
     for _ in range(20):
         lock = rl.lock("seq", ttl=5, fenced=True)
         assert lock.fence is None
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         assert isinstance(lock.fence, int)
         fences.append(lock.fence)
         lock.release()
@@ -128,18 +130,18 @@ def test_the_checker_finds_a_fence_out_of_real_time_order() -> None:
 
 def test_fences_survive_emptied_masters(rl: Redlock, masters: ServerSet) -> None:
     lock = rl.lock("emptied", ttl=5, fenced=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     last = lock.fence
     lock.release()
     for server in list(masters)[:2]:  # a minority restarted without data
         server.flushall()
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.fence is not None and last is not None and lock.fence > last
     last = lock.fence
     lock.release()
     for server in masters:  # every master: only the clock floor is left
         server.flushall()
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     assert lock.fence > last  # the floor, microseconds of a clock that moved on
     lock.release()
 
@@ -170,7 +172,7 @@ def test_write_back_is_the_grants_own_and_never_lowers_a_counter(masters: Server
 
 def test_fence_is_kept_when_lost_and_none_in_a_forked_child(rl: Redlock, masters: ServerSet) -> None:
     lock = rl.lock("kept", ttl=0.5, fenced=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     fence = lock.fence
     assert lock.extend()
     assert lock.fence == fence  # an extension is the same interval: the same fence
@@ -245,7 +247,7 @@ def test_a_fenced_waiter_wakes_when_an_abandoned_lock_expires(masters: ServerSet
     """Refusals carry the holder's PTTL, so a waiter wakes at the expiry, not a poll later."""
     with Redlock(masters.urls, retry_delay=10, wait_poll=8) as own, Redlock(masters.urls) as other:
         abandoned = other.lock("abandoned", ttl=1.0, fenced=True)
-        assert abandoned.acquire(blocking=False)  # never released: it must expire
+        assert take(abandoned)  # never released: it must expire
         started = time.monotonic()
         waiter = own.lock("abandoned", ttl=5, fenced=True)
         assert waiter.acquire(timeout=6)
@@ -259,7 +261,7 @@ def test_a_master_without_the_scripts_is_sent_their_source(rl: Redlock, masters:
     """Fenced rounds send the scripts by digest; a master that lost them (SCRIPT FLUSH, a
     restart) answers NOSCRIPT, runs nothing, and gets the source: the grant is as usual."""
     lock = rl.lock("flushed", ttl=5, fenced=True)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     first = lock.fence
     lock.release()
     for server in list(masters)[:3]:  # a quorum without the scripts

@@ -32,7 +32,7 @@ from celery_redlock import Lock, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ProxySet, ServerSet
 
-from .conftest import values_on, wait_for
+from .conftest import take, values_on, wait_for
 
 # How long a child may take to lock and report; a child that hangs on a mutex never does.
 CHILD_DEADLINE = 15.0
@@ -122,7 +122,7 @@ def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], wor
     assert set(values_on(masters, f"redlock:{name}").values()) == {None}  # the child released
     # The parent's inherited connections were left alone by the child: they still work.
     parent_lock = rl.lock(name, ttl=5)
-    assert parent_lock.acquire(blocking=False), parent_lock.last_error
+    assert take(parent_lock), parent_lock.last_error
     assert [v.kind for v in parent_lock.last_votes] == ["yes"] * len(masters)
     parent_lock.release()
 
@@ -185,7 +185,7 @@ def test_a_masters_kept_releases(masters: ServerSet, rl: Redlock) -> None:
     ):
         warm(parents)
         held = parents.lock("fork-kept-parent", ttl=30)
-        assert held.acquire(blocking=False), held.last_error
+        assert take(held), held.last_error
         proxies.proxies[0].cut()  # every connection to master 0 is reset: the release is kept
         held.release_without_waiting()
         kept = parents.masters[0]

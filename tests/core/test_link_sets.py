@@ -113,10 +113,10 @@ def test_a_round_left_by_an_exception_never_counts_its_stale_replies(masters: Se
         assert warm.acquire(timeout=5), warm.last_error
         warm.release_without_waiting()  # every parked link now owes the release's reply
         if not owing:
-            assert warm.acquire(blocking=False), warm.last_error  # read with this reply
+            assert take(warm), warm.last_error  # read with this reply
         interrupted_acquire(masters, rl, "stale-interrupted")
         held = other.lock("stale-contended", ttl=30)
-        assert held.acquire(blocking=False), held.last_error
+        assert take(held), held.last_error
         mine = rl.lock("stale-contended", ttl=30)
         try:
             got = mine.acquire(blocking=False)
@@ -163,7 +163,7 @@ def test_a_round_left_by_an_exception_is_not_misread_through_late_links(masters:
                 server.resume()
         assert wait_for(lambda: all(keys_on(masters[:3], "redlock:stale-late-interrupted").values()), 5.0)
         held = other.lock("stale-late-contended", ttl=30)
-        assert held.acquire(blocking=False), held.last_error
+        assert take(held), held.last_error
         try:
             for attempt in range(3):  # the late links are drained by the first rounds that look
                 mine = rl.lock("stale-late-contended", ttl=30)
@@ -452,7 +452,7 @@ def test_tls_links_park_owe_and_notice_a_close(tls_masters: list[tuple[object, s
     ):
         for step in range(300):
             lock = rl.lock(f"tls-{step % 3}", ttl=5)
-            assert lock.acquire(blocking=False), (step, lock.last_error)
+            assert take(lock), (step, lock.last_error)
             assert lock.extend(), step
             if step % 2:
                 lock.release_without_waiting()  # its reply is read with the next round's

@@ -119,7 +119,7 @@ def test_extend_to_a_shorter_ttl_granted_by_every_master_shortens_the_validity(
     masters: ServerSet, rl: Redlock
 ) -> None:
     lock = rl.lock("short-extend-granted", ttl=30)
-    assert lock.acquire(blocking=False), lock.last_error
+    assert take(lock), lock.last_error
     started = time.monotonic()
     assert lock.extend(ttl=0.3)
     assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
@@ -136,7 +136,7 @@ def test_extend_to_a_shorter_ttl_granted_but_read_too_late_keeps_the_old_validit
 ) -> None:
     with StallsAfterTheRound(masters.urls, retry_count=0) as rl:
         lock = rl.lock("short-extend-stalled", ttl=30)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         extended = lock.extend(ttl=0.3)
         # Every master granted 0.3 s, and the holder stalled longer than that before looking.
         assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
@@ -152,7 +152,7 @@ def test_extend_to_a_shorter_ttl_that_fails_keeps_the_old_validity(masters: Serv
     name = "short-extend-failed"
     with Redlock(masters.urls, retry_count=0, request_timeout=0.05) as rl:
         lock = rl.lock(name, ttl=30)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         paused = list(masters)[:3]
         for server in paused:
             server.pause()
@@ -226,7 +226,7 @@ def test_a_forked_child_calling_release_releases_its_parents_lock(masters: Serve
 @pytest.mark.timeout(60)
 def test_a_forked_child_owns_and_extends_its_parents_lock(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("fork-extend", ttl=30)
-    assert lock.acquire(blocking=False), lock.last_error
+    assert take(lock), lock.last_error
 
     def work() -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -257,7 +257,7 @@ def test_a_forked_child_owns_and_extends_its_parents_lock(masters: ServerSet, rl
 @pytest.mark.timeout(60)
 def test_a_forked_child_may_take_its_parents_lock_only_anew(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("fork-acquire", ttl=30)
-    assert lock.acquire(blocking=False), lock.last_error
+    assert take(lock), lock.last_error
 
     def work() -> dict[str, Any]:
         # A contender of its own: refused while the parent holds the lock...
@@ -332,7 +332,7 @@ def test_a_ttl_below_what_the_algorithm_can_honour_is_refused(masters: ServerSet
         with pytest.raises(ConfigError, match=says):
             rl.lock("too-short", ttl=0.1)
         lock = rl.lock("just-long-enough", ttl=minimum)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         with pytest.raises(ConfigError, match=says):
             lock.extend(ttl=0.002)
         assert lock.owned()
@@ -421,7 +421,7 @@ def test_a_redlock_dropped_without_close_leaves_no_thread_or_socket_behind(
         before = set(threading.enumerate())
         rl = Redlock(proxies.urls, retry_count=0)
         lock = rl.lock("dropped", ttl=30)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         key = lock.key
         if how == "release":
             assert lock.release() is True
@@ -450,7 +450,7 @@ def test_close_is_idempotent_and_the_redlock_usable_after_it(masters: ServerSet)
         rl = Redlock(proxies.urls, retry_count=0)
         for _ in range(2):
             lock = rl.lock("closed", ttl=30)
-            assert lock.acquire(blocking=False), lock.last_error
+            assert take(lock), lock.last_error
             assert lock.release() is True
             rl.close()
             rl.close()
@@ -468,7 +468,7 @@ def test_a_redlock_dropped_with_a_master_down_leaves_its_threads_behind(masters:
         before = set(threading.enumerate())
         rl = Redlock(proxies.urls, retry_count=0)
         lock = rl.lock("dropped-down", ttl=30)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         assert [v.kind for v in lock.last_votes][:4] == ["yes"] * 4
         assert lock.release() is True  # four of five answered
         gone = weakref.ref(rl)

@@ -248,7 +248,7 @@ def test_names_ending_in_a_reserved_suffix_are_refused_and_old_suffixes_are_plai
         assert wait_for(lambda: set(_queued_everywhere(masters, "jobs")) == {1}, 5)
         other = rl.lock("jobs:queue", ttl=10)
         assert not other.locked()
-        assert other.acquire(blocking=False), other.last_error
+        assert take(other), other.last_error
         try:
             listed = [view.name for view in admin.list_locks(rl).locks]
             assert "jobs:queue" in listed and "jobs" in listed, listed

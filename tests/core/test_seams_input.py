@@ -57,7 +57,7 @@ def test_the_ttl_bound_is_the_servers_own(redlock_masters: ServerSet) -> None:
     urls = redlock_masters.urls[:3]
     with Redlock(urls, retry_count=0, ttl=MAX_TTL) as rl:
         lock = rl.lock("ttl-at-the-bound")
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         assert lock.extend(MAX_TTL)
         client = redlock_masters[0].client()
         try:
@@ -83,7 +83,7 @@ def test_a_ttl_the_servers_cannot_take_is_refused_where_it_is_given(
         with pytest.raises(ConfigError, match=r"^ttl must be at most"):
             rl.lock("too-long", ttl=ttl)
         lock = rl.lock("extended-too-long", ttl=5)
-        assert lock.acquire(blocking=False), lock.last_error
+        assert take(lock), lock.last_error
         with pytest.raises(ConfigError, match=r"^ttl must be at most"):
             lock.extend(ttl)
         assert lock.owned()
@@ -281,7 +281,7 @@ def test_a_master_that_is_no_redis_master_of_its_own_is_a_clear_error_at_first_c
             started = time.monotonic()
             # The two real masters decide; the odd one votes error, saying what it is (one that
             # may be out for a while may first be only "not connected" within the round).
-            assert lock.acquire(blocking=False), lock.last_error
+            assert take(lock), lock.last_error
             assert time.monotonic() - started < TIMEOUT + SLACK
             vote = lock.last_votes[2]
             assert vote.kind == "error", vote
@@ -307,7 +307,7 @@ def test_a_master_that_is_no_redis_master_of_its_own_is_a_clear_error_at_first_c
             for n in range(20):
                 again = rl.lock(f"odd-{kind}-{n}", ttl=10)
                 started = time.monotonic()
-                assert again.acquire(blocking=False), again.last_error
+                assert take(again), again.last_error
                 assert time.monotonic() - started < TIMEOUT / 2, f"round {n}"
                 assert again.last_votes[2].kind == "error"
                 assert_matches(odd.what, again.last_votes[2].detail)
@@ -316,7 +316,7 @@ def test_a_master_that_is_no_redis_master_of_its_own_is_a_clear_error_at_first_c
                 # Refused for the rest of the Redlock's life: never contacted again, however long.
                 time.sleep(master_module.BACKOFF_CAP + 0.3)
                 last = rl.lock(f"odd-{kind}-last", ttl=10)
-                assert last.acquire(blocking=False), last.last_error
+                assert take(last), last.last_error
                 assert last.last_votes[2].detail.startswith("refused: ")
                 last.release()
                 assert odd.contacts() == contacts == 1, (contacts, odd.contacts())
