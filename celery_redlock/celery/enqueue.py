@@ -42,8 +42,11 @@ A run that gives up instead (skipped, failed, out of lock retries) deletes its m
 **A marker lasts as long as its message can arrive.** It is placed for ``PUBLISH_WINDOW``
 seconds (at most its full TTL): the time the publish has to reach the broker. Once the broker
 has accepted the message, one more round extends it to ``lock_enqueue_ttl`` (plus any countdown
-or ETA). A publisher killed in between (or a publish that never returns) leaves a marker that
-expires within the window, not an hour of publishes answered with a task id no message carries.
+or ETA, never past the message's ``expires``: see :func:`.queued.marker_ttl`) and swaps it for
+its published form (``markers.keep``). A publisher killed in between (or a publish that never
+returns) leaves a marker that expires within the window, not an hour of publishes answered with
+a task id no message carries. **Only a published marker answers a duplicate**: a call that
+finds one still unpublished waits until it is published or gone (:func:`_place_settled`).
 A publish slower than the window finds its marker gone: it is logged, and its message is queued
 unmarked (its run takes the key free; a duplicate published meanwhile is not refused).
 
@@ -84,16 +87,18 @@ from .._validate import number
 from ..errors import AlreadyQueued, ConfigError, LockNotAcquired
 from ..lock import markers
 from ..lock.holder import HolderRecord, parse
-from ..lock.markers import HandoverLock, side_key
+from ..lock.markers import side_key
 from ..lock.redlock import Redlock
-from ..lock.resource import HOLDER_SEPARATOR, Lock, lock_key
+from ..lock.resource import HOLDER_SEPARATOR, lock_key
 from . import hooks, signals
 from .held import Held
 from .hooks import PUBLISH_ID_HEADER
 from .queued import MARKER_HEADER as MARKER_HEADER
-from .queued import carried_fingerprint, marker_of, masters_fingerprint
 from .queued import drop_abandoned_marker as drop_abandoned_marker
+from .queued import marker_ttl as marker_ttl
+from .queued import masters_fingerprint
 from .queued import release_revoked_marker as release_revoked_marker
+from .queued import run_lock as run_lock
 from .runstate import run_of
 from .settings import RedlockSettings, app_settings_and_redlock, enqueue_mode
 
@@ -116,11 +121,28 @@ _HOST = socket.gethostname()
 
 class Existing(NamedTuple):
     """A publish's key taken by its own task: the id the marker or run names (None when its
-    record names none), whether it is a queued message's marker, and its value."""
+    record names none), whether it is a queued message's marker, and its value. ``pending``: a
+    marker whose publish has not returned yet (its publisher may still fail, or die): no message
+    is known to carry the id it names."""
 
     task_id: str | None
     queued: bool
     value: str
+    pending: bool = False
+
+
+def _existing(value: str) -> Existing:
+    """What a value of this task's (its marker or its run's lock) found on its key says."""
+    record = parse(value.partition(HOLDER_SEPARATOR)[2])
+    if record is None:
+        return Existing(None, True, value)
+    # A marker is placed for PUBLISH_WINDOW and swapped for its published form (markers.keep)
+    # once the broker has its message. One still unpublished after its window (by its own
+    # clock), or that says not when it was placed, was kept by a publisher that wrote no such
+    # flag: an older version's.
+    age = record.age()
+    pending = record.queued and not record.published and age is not None and age < PUBLISH_WINDOW
+    return Existing(record.task, record.queued, value, pending)
 
 
 def check_task_options(cls: Any, task_name: str) -> None:
@@ -210,8 +232,11 @@ def apply_async(
     name = task.lock_name(tuple(args or ()), kwargs or {})
     task_id = task_id or uuid()
     ttl = marker_ttl(task, settings, options)
+    if ttl < redlock.min_ttl:
+        # Its ``expires`` falls due before a marker could be placed: it will not run.
+        return publish(args, kwargs, task_id=task_id, **options)
     headers, value = _new_marker(task, task_id, ttl, options)
-    placed = _place_past_finished_run(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
+    placed = _place_settled(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
     if isinstance(placed, Existing):
         existing = placed.task_id
         if any(options.get(option) is not None for option in CANVAS_OPTIONS):
@@ -243,12 +268,19 @@ def _new_marker(
     return headers, markers.new_value(_holder(task, task_id, ttl, publish_id))
 
 
-def _place_past_finished_run(
+def _place_settled(
     task: Any, redlock: Redlock, name: str, value: str, ttl: float
 ) -> markers.Placed | Existing:
-    """:func:`_place`, except that a run of this task whose result is already stored is not a
-    duplicate while its lock is on its way out (see :func:`_after_finish`)."""
+    """:func:`_place`, except that a call is deduplicated only against a message known to be
+    published, or a run: not against a marker whose publish has not returned (it may never be
+    published), nor a run whose result is already stored while its lock is on its way out."""
     placed = _place(task, redlock, name, value, ttl)
+    if isinstance(placed, Existing) and placed.pending:
+        # Handed that id, this call would run only if that publish succeeds. Wait (bounded by
+        # the marker's window) until it is published, or gone (then this call places its own).
+        placed = _wait_out(
+            task, redlock, name, value, ttl, placed, PUBLISH_WINDOW, lambda found: not found.pending
+        )
     # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
     # rate limit): then the key stays taken, and the duplicate is one at once.
     if (
@@ -256,9 +288,12 @@ def _place_past_finished_run(
         and not placed.queued
         and placed.task_id is not None
         and task.lock_release != "on_expiry"
-        and _finished(task, placed.task_id)
+        and _finished(task, placed)
     ):
-        return _after_finish(task, redlock, name, value, ttl, placed)
+        held = placed.value
+        return _wait_out(
+            task, redlock, name, value, ttl, placed, FINISHING_WAIT, lambda found: found.value != held
+        )
     return placed
 
 
@@ -286,10 +321,11 @@ def _publish_marked(
 
 def _keep(task: Any, redlock: Redlock, placed: markers.Placed, ttl: float) -> None:
     """The broker has the message: its marker, placed for the publish window, is kept for its
-    full ``ttl`` (one round, skipped when the window was the whole TTL). Its replies are read,
-    so that a marker that was gone (a publish slower than the window) is said to be."""
+    full ``ttl`` and marked published (one round, even when the window was the whole TTL: only
+    a published marker answers a duplicate, see _place_settled). Its replies are read, so that a
+    marker that was gone (a publish slower than the window) is said to be."""
     assert placed.value is not None and placed.key is not None
-    if ttl <= PUBLISH_WINDOW or markers.keep(redlock, placed.key, placed.value, ttl):
+    if markers.keep(redlock, placed.key, placed.value, ttl):
         return
     logger.warning(
         "task %s: the marker on %s was gone when its publish returned (a publish slower than %g s, "
@@ -312,15 +348,14 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
         if placed.value is None and placed.beside is None and placed.holder is not None:
             record = parse(placed.holder.partition(HOLDER_SEPARATOR)[2])
             if record is not None and record.name == task.name:
-                return Existing(record.task, record.queued, placed.holder)
+                return _existing(placed.holder)
             # Another task's, or any other holder's: this task's marker waits beside the key
             # while that value is still there (else the next attempt starts over).
             placed = markers.place_beside(redlock, name, side, value, ttl, placed.holder)
         if placed.value is not None:
             return placed
         if placed.beside is not None:
-            record = parse(placed.beside.partition(HOLDER_SEPARATOR)[2])
-            return Existing(None if record is None else record.task, True, placed.beside)
+            return _existing(placed.beside)
         if attempt < PLACE_ATTEMPTS:
             # Split between two publishers (each retracted its part), freed or taken meanwhile,
             # or a master that did not answer: a short, growing random delay, then one more try.
@@ -330,33 +365,56 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
     )
 
 
-def _finished(task: Any, task_id: str) -> bool:
-    """Whether ``task_id``'s result is already stored as ready. A run's release normally takes
-    effect before its result is stored; a key still held by a finished run is one whose release
-    was left to the backstop after the result (see tracer.run_and_finish), on its way out. One
-    read of the result backend, on the duplicate path only; False without a backend."""
+def _finished(task: Any, run: Existing) -> bool:
+    """Whether the run holding the key has its result stored as ready. A run's release normally
+    takes effect before its result is stored; a key still held by a finished run is one whose
+    release was left to the backstop after the result (see tracer.run_and_finish), on its way
+    out. A result stored before the run took the key (by its ``since``) is an earlier run's of a
+    reused task id: this run is not finishing. One read of the result backend, on the duplicate
+    path only; False without a backend."""
     try:
-        return bool(task.AsyncResult(task_id).ready())
+        result = task.AsyncResult(run.task_id)
+        if not result.ready():
+            return False
+        done = result.date_done
     except Exception:  # no result backend (DisabledBackend), or it failed: not known to be done
         return False
+    since = parse(run.value.partition(HOLDER_SEPARATOR)[2])
+    started = None if since is None else since.since
+    if isinstance(done, dt.datetime) and started is not None:
+        done = done if done.tzinfo is not None else done.replace(tzinfo=dt.timezone.utc)
+        # since is written to the ms: a result stored in the run's first ms is still its own.
+        return done.timestamp() >= started - 0.001
+    return True
 
 
-def _after_finish(
-    task: Any, redlock: Redlock, name: str, value: str, ttl: float, existing: Existing
+def _wait_out(
+    task: Any,
+    redlock: Redlock,
+    name: str,
+    value: str,
+    ttl: float,
+    existing: Existing,
+    seconds: float,
+    settled: Callable[[Existing], bool],
 ) -> markers.Placed | Existing:
-    """The key is still held by a run whose result is stored: it is being released, within
-    milliseconds (or its holder died in between and it expires). Try again until it is free, for
-    up to ``FINISHING_WAIT`` seconds; a caller that waited for the result and publishes again at
-    once must not be handed the result it already has."""
-    deadline = time.monotonic() + FINISHING_WAIT
+    """Place again, after a short growing delay, until the key is free (placed), or held by a
+    holder of this task that is ``settled``, for up to ``seconds``; then the last answer.
+
+    Waited out: a run whose result is stored, while its release takes effect (milliseconds;
+    a caller that waited for the result and publishes again at once must not be handed the
+    result it already has), up to FINISHING_WAIT; a marker whose publish has not returned, until
+    it is published or deleted (a failed publish), or its window ends (a dead publisher)."""
+    deadline = time.monotonic() + seconds
     delay = 0.002
+    placed: markers.Placed | Existing = existing
     while time.monotonic() < deadline:
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
         placed = _place(task, redlock, name, value, ttl)
-        if not isinstance(placed, Existing) or placed.value != existing.value:
+        if not isinstance(placed, Existing) or settled(placed):
             return placed
-    return existing
+    return placed
 
 
 def _duplicate(task: Any, mode: str, name: str, task_id: str, existing: str | None) -> Any:
@@ -397,13 +455,16 @@ def _republish(
         return publish(args, kwargs, task_id=task_id, **options)
     settings, redlock = app_settings_and_redlock(task.app)
     ttl = marker_ttl(task, settings, options)
+    if ttl < redlock.min_ttl:  # expires before a marker could be placed: it will not run
+        return publish(args, kwargs, task_id=task_id, **options)
     headers, value = _new_marker(task, task_id, ttl, options)
     name = task.lock_name(tuple(args or ()), kwargs or {})
     headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
     if name == held.lock.name:
         result = publish(args, kwargs, task_id=task_id, **options)
-        run.requeued(value, ttl)
+        # Published: the lock becomes the marker in its published form (see _place_settled).
+        run.requeued(markers.published(value), ttl)
         return result
     # Retried with arguments of another resource: that key gets a marker of its own, and this
     # run's lock is released as usual when it ends (nothing to swap it for).
@@ -450,51 +511,6 @@ def hand_back(held: Held, pending: tuple[str, float] | None) -> bool:
     return True
 
 
-def run_lock(redlock: Redlock, request: Any, name: str, ttl: float, holder: str) -> Lock:
-    """The lock a run takes: over from its message's marker if it carries one for ``name``."""
-    carried = marker_of(request)
-    if carried is not None and carried[0] == name:
-        fingerprint = carried_fingerprint(request)
-        if fingerprint is not None and fingerprint != masters_fingerprint(redlock):
-            # A publisher on other masters (a deploy that moved them, a process on the old list):
-            # its marker is out of reach here and blocks that key there until its TTL.
-            logger.warning(
-                "task %s: its message was marked on different masters (fingerprint %s; this "
-                "worker's is %s): the marker cannot be taken over, and the key stays refused to "
-                "publishers on those masters until the marker's TTL; check redlock_masters",
-                getattr(request, "id", "?"),
-                fingerprint,
-                masters_fingerprint(redlock),
-            )
-            return redlock.lock(name, ttl, holder=holder)
-        owner = getattr(request, "task", None)  # the task's name, in a worker's request
-        side = side_key(redlock.key_prefix, name, owner) if isinstance(owner, str) else None
-        return HandoverLock(redlock, name, ttl, holder=holder, marker=carried[1], side=side)
-    return redlock.lock(name, ttl, holder=holder)
-
-
-def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any]) -> float:
-    """How long a marker lasts: ``lock_enqueue_ttl`` counted from when the message is due (its
-    countdown or ETA), so a delayed message keeps its key until it may run, and that long after."""
-    base = task.lock_enqueue_ttl if task.lock_enqueue_ttl is not None else settings.enqueue_ttl
-    delay = 0.0
-    countdown, eta = options.get("countdown"), options.get("eta")
-    if countdown is not None:
-        delay = float(countdown)
-    elif isinstance(eta, dt.datetime):
-        when = eta if eta.tzinfo is not None else eta.replace(tzinfo=dt.timezone.utc)
-        delay = when.timestamp() - time.time()
-    elif isinstance(eta, str):
-        try:
-            parsed = dt.datetime.fromisoformat(eta)
-        except ValueError:
-            parsed = None
-        if parsed is not None:
-            when = parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=dt.timezone.utc)
-            delay = when.timestamp() - time.time()
-    return float(base) + max(0.0, delay)
-
-
 def _holder(task: Any, task_id: str, ttl: float, publish: str) -> str:
     """The marker's holder record: the run's fields (see task.py), ``since`` the publish, its
     ``publish`` id, and ``queued``, which tells an operator the task has not started. The
@@ -527,7 +543,7 @@ def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
             text = found.decode("utf-8", "replace")
             record = parse(text.partition(HOLDER_SEPARATOR)[2])
             if count >= redlock.quorum and record is not None and record.name == task.name:
-                return Existing(record.task, record.queued, text)
+                return _existing(text)
     return None
 
 

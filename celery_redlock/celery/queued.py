@@ -1,5 +1,6 @@
-"""The markers queued messages carry: what a message's ``redlock_marker`` header says, and
-what deletes a marker that no run will take over (see :mod:`.enqueue` for the whole story).
+"""The markers queued messages carry: how long a marker lasts (:func:`marker_ttl`), what a
+message's ``redlock_marker`` header says, the lock its run takes (:func:`run_lock`), and what
+deletes a marker that no run will take over (see :mod:`.enqueue` for the whole story).
 
 - :func:`release_revoked_marker` (``task_revoked``): a queued message revoked or expired;
 - :func:`drop_abandoned_marker` (``lock_contended``): a run that gives up its lock (skipped,
@@ -8,6 +9,7 @@ what deletes a marker that no run will take over (see :mod:`.enqueue` for the wh
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import logging
 import threading
@@ -17,15 +19,71 @@ from typing import Any
 
 from ..lock import markers
 from ..lock.holder import parse
-from ..lock.markers import side_key
+from ..lock.markers import HandoverLock, side_key
 from ..lock.redlock import Redlock
-from ..lock.resource import HOLDER_SEPARATOR, lock_key
-from .settings import app_settings_and_redlock
+from ..lock.resource import HOLDER_SEPARATOR, Lock, lock_key
+from .settings import RedlockSettings, app_settings_and_redlock
 
 logger = logging.getLogger("celery_redlock.enqueue")
 
 #: The message header that carries the marker: ``{"name": resource name, "value": marker value}``.
 MARKER_HEADER = "redlock_marker"
+
+
+def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any]) -> float:
+    """How long a marker lasts: ``lock_enqueue_ttl`` counted from when the message is due (its
+    countdown or ETA), so a delayed message keeps its key until it may run, and that long after;
+    and never past its ``expires``. A marker that outlived its message's expiry would hand later
+    calls the id of a message every worker discards: their work would never run. Below the
+    Redlock's ``min_ttl`` (the message expires at once), the caller publishes it unmarked."""
+    base = task.lock_enqueue_ttl if task.lock_enqueue_ttl is not None else settings.enqueue_ttl
+    countdown = options.get("countdown")
+    delay = float(countdown) if countdown is not None else _seconds_until(options.get("eta"))
+    ttl = float(base) + max(0.0, delay or 0.0)
+    expires = options.get("expires")
+    # A number is seconds from now (as Celery reads it, not from the countdown); else a time.
+    left = float(expires) if isinstance(expires, int | float) else _seconds_until(expires)
+    return ttl if left is None else min(ttl, left)
+
+
+def _seconds_until(when: Any) -> float | None:
+    """Seconds from now until ``when`` (a datetime, or its ISO text; naive is UTC), if it is one."""
+    if isinstance(when, str):
+        try:
+            when = dt.datetime.fromisoformat(when)
+        except ValueError:
+            return None
+    if not isinstance(when, dt.datetime):
+        return None
+    aware = when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+    return aware.timestamp() - time.time()
+
+
+def run_lock(redlock: Redlock, request: Any, name: str, ttl: float, holder: str) -> Lock:
+    """The lock a run takes: over from its message's marker if it carries one for ``name``.
+
+    Always the handover lock, whatever masters the message says it was marked on: it compares
+    the marker's whole (random) value, so on masters that never saw the marker it takes the key
+    as a plain lock would, and on the same servers reached under other names (a proxy, a DNS
+    alias, localhost for 127.0.0.1) it takes its own marker over instead of being refused by it
+    until the marker's TTL."""
+    carried = marker_of(request)
+    if carried is None or carried[0] != name:
+        return redlock.lock(name, ttl, holder=holder)
+    fingerprint = carried_fingerprint(request)
+    if fingerprint is not None and fingerprint != masters_fingerprint(redlock):
+        logger.warning(
+            "task %s: its message was marked on different masters, or the same ones named "
+            "otherwise (fingerprint %s; this worker's is %s): if they are other servers, the "
+            "marker there keeps the key refused to publishers on them until its TTL; check "
+            "redlock_masters",
+            getattr(request, "id", "?"),
+            fingerprint,
+            masters_fingerprint(redlock),
+        )
+    owner = getattr(request, "task", None)  # the task's name, in a worker's request
+    side = side_key(redlock.key_prefix, name, owner) if isinstance(owner, str) else None
+    return HandoverLock(redlock, name, ttl, holder=holder, marker=carried[1], side=side)
 
 
 def masters_fingerprint(redlock: Redlock) -> str:
@@ -132,7 +190,7 @@ def _drop_when_handed_back(redlock: Redlock, name: str, value: str, task_id: str
     was handed to it. Gives up with the marker's TTL, when it would be gone anyway."""
     record = parse(value.partition(HOLDER_SEPARATOR)[2])
     deadline = time.monotonic() + (record.ttl if record is not None and record.ttl is not None else 3600.0)
-    wanted = value.encode()
+    wanted = markers.published(value).encode()  # the form the run hands its lock back as
     while time.monotonic() < deadline:
         values = redlock.read_everywhere(lock_key(redlock.key_prefix, name))
         if wanted in values:

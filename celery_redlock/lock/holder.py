@@ -21,7 +21,7 @@ from typing import Any
 
 # The fields a run's record shares with every other run of its task in this process, in the
 # order they are written after the per-run ones (task, since), before the last (publish).
-_SHARED = ("name", "host", "pid", "proc", "ttl", "heartbeat", "queued")
+_SHARED = ("name", "host", "pid", "proc", "ttl", "heartbeat", "queued", "published")
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,9 @@ class HolderRecord:
     ``redlock_publish`` header): new for each publish, kept by the message's broker redeliveries
     and retries, so a contender can tell an earlier attempt of its own message from another
     publish that reused its task id. A *marker* (``queued``: the lock taken at publish, for a
-    message still waiting in the broker) names the queued task and its publisher's host and pid.
+    message still waiting in the broker) names the queued task and its publisher's host and pid;
+    ``published`` says the broker has accepted its message (written once the publish returned,
+    see ``markers.keep``): until then, nothing is known to carry the task id it names.
     """
 
     task: str | None = None
@@ -50,12 +52,14 @@ class HolderRecord:
     # Which process ``pid`` is (see process_identity): a host name and a pid alone do not tell a
     # process apart from one in another container or pid namespace that shares the host name.
     proc: str | None = None
+    published: bool = False
 
     @functools.cached_property
     def _shared_text(self) -> str:
         # Written once per record: a task caches one record for its runs and fills in the rest.
         fields = {key: getattr(self, key) for key in _SHARED}
         fields["queued"] = fields["queued"] or None  # written only when true
+        fields["published"] = fields["published"] or None
         kept = {key: value for key, value in fields.items() if value is not None}
         return json.dumps(kept, separators=(",", ":"))[1:-1]
 
@@ -127,6 +131,7 @@ def parse(text: str) -> HolderRecord | None:
         queued=fields.get("queued") is True,
         publish=_typed(fields.get("publish"), str),
         proc=_typed(fields.get("proc"), str),
+        published=fields.get("published") is True,
     )
 
 

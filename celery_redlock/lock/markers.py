@@ -16,12 +16,14 @@ marker, and another owner never is.
   marker beside the key, or the lock key's holder; :func:`place_beside` sets it on the side key
   (BESIDE) while the holder read is still there. A failed attempt is retracted on every master
   that may hold it.
-- :func:`keep` extends a placed marker to its full TTL (a marker is placed for the short time its
-  message needs to reach the broker, see the Celery layer, and kept once it has).
+- :func:`keep` extends a placed marker to its full TTL and marks it published (a marker is placed
+  for the short time its message needs to reach the broker, see the Celery layer, and kept once
+  it has): it swaps the value for its :func:`published` form, whose holder record says so.
 - :class:`HandoverLock` is a Lock whose acquire is HANDOVER (see ``scripts.py``): it takes the key
   when it is free *or* holds the marker it was given, in one step on each master, deleting the
   marker from the side key in that step. The key is never free on a master between the marker
-  and the lock (no gap), and the lock is never refused by its own marker (no self-block). An
+  and the lock (no gap), and the lock is never refused by its own marker, in either of its forms
+  (placed, or kept as published): no self-block. An
   attempt that no quorum granted puts the marker back (beside the key) where it took it, so a
   message whose run is refused stays marked. Extension and release are a plain lock's.
 - :func:`hand_back` swaps a held lock's token for a new marker (REQUEUE): the work re-published
@@ -145,23 +147,36 @@ def _agreed(redlock: Redlock, outcomes: Sequence[Outcome], kind: int) -> str | N
     return None
 
 
+def published(value: str) -> str:
+    """The form :func:`keep` gives the marker ``value`` once its work is published: the same
+    token, its holder record with ``published`` set. A holder text that is no record (a label of
+    one's own) is its own published form. One rule, used by every side that compares a marker."""
+    token, separator, text = value.partition(HOLDER_SEPARATOR)
+    record = parse(text)
+    if record is None or record.published:
+        return value
+    return token + separator + dataclasses.replace(record, published=True).to_text()
+
+
 def keep(redlock: Redlock, key: str, value: str, ttl: float) -> bool:
-    """Extend the marker ``value`` on ``key`` to ``ttl`` seconds from now, where it still is;
-    True if a quorum did (compare-and-pexpire: a marker that expired is not brought back)."""
-    validity, _, _ = redlock.try_extend(key, value, redlock.check_ttl("ttl", ttl))
-    return validity > 0
+    """The work the marker ``value`` on ``key`` was placed for is published: swap it for its
+    :func:`published` form with ``ttl`` seconds from now, where it still is (REQUEUE, compared on
+    the whole value: a marker that expired or was taken over is not brought back); True if a
+    quorum did. Until then the marker names work nothing is known to carry."""
+    return hand_back(redlock, key, value, published(value), ttl)
 
 
 def drop(redlock: Redlock, name: str, value: str, side: str | None = None) -> None:
     """Delete the marker ``value`` of resource ``name`` wherever it still is, on the lock key and
     on the owner's ``side`` key if given (compare-and-delete, one round, replies waited for, so
     the next publish of the resource does not find it): a key already handed over or expired is
-    left alone."""
+    left alone. Both forms of the marker (as placed, and :func:`published`)."""
     key = lock_key(redlock.key_prefix, name)
-    if side is None:
+    forms = dict.fromkeys((value, published(value)))
+    if side is None and len(forms) == 1:
         redlock.release_key(key, value)
         return
-    batch = [PLAIN.release.pack(key, value), PLAIN.release.pack(side, value)]
+    batch = [PLAIN.release.pack(where, form) for where in (key, side) if where is not None for form in forms]
     with redlock._round() as rnd:
         rnd.call_many([batch] * len(redlock.masters), redlock.request_timeout)
 
@@ -177,8 +192,9 @@ def hand_back(redlock: Redlock, key: str, token: str, value: str, ttl: float) ->
 
 class HandoverLock(Lock):
     """A plain lock that takes its key over from the marker ``marker`` (a value :func:`place`
-    set), or takes it free as any lock does; with ``side``, the owner's side key, a marker
-    :func:`place_beside` set there is deleted by the same step that takes the key.
+    set, in either form: as placed, or as :func:`keep` made it :func:`published`), or takes it
+    free as any lock does; with ``side``, the owner's side key, a marker :func:`place_beside`
+    set there is deleted by the same step that takes the key.
 
     Every attempt, the first and a waiting one's alike, is HANDOVER: a waiting attempt that
     took a plain ``SET NX`` instead would be refused by its own marker on the masters a failed
@@ -203,7 +219,8 @@ class HandoverLock(Lock):
         # The marker's value (and the side key it may wait on) are fixed for this lock: packed
         # once into its acquire command, between the key, token and TTL each attempt fills in.
         keys = (wire.SLOT,) if side is None else (wire.SLOT, side)
-        take = script_template(scripts.HANDOVER, keys, (wire.SLOT, wire.SLOT, marker))
+        self._published = published(marker)
+        take = script_template(scripts.HANDOVER, keys, (wire.SLOT, wire.SLOT, marker, self._published))
         self._commands = dataclasses.replace(PLAIN, acquire=take)
         self._waiting_commands = self._commands
         self.marker = marker
@@ -241,4 +258,7 @@ class HandoverLock(Lock):
         if self._side is None:
             return None
         left = self.ttl if self._marker_ends is None else self._marker_ends - time.time()
-        return HANDOVER_RETRACT.pack(self.key, self._side, token, self.marker, milliseconds(max(left, 0.0)))
+        # Put back as published: this run's message was.
+        return HANDOVER_RETRACT.pack(
+            self.key, self._side, token, self._published, milliseconds(max(left, 0.0))
+        )

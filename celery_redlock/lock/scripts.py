@@ -529,19 +529,21 @@ return redis.status_reply('OK')
 #   KEYS[2]  (optional) the task's side key, where its marker waits when it was set beside
 #   ARGV[1]  the run's token (the value it holds the key by from now on)
 #   ARGV[2]  the ttl in milliseconds
-#   ARGV[3]  the marker's value, as the message carries it
-#   returns  +OK if the key was absent or held ARGV[3], and now holds ARGV[1] with the ttl (as
-#            SET NX PX answers), the side key's ARGV[3] deleted in the same step; else the key's
-#            PTTL, as ACQUIRE_WAIT answers a refusal
+#   ARGV[3]  the marker's value, as the message carries it (as placed)
+#   ARGV[4]  its published form, which markers.keep swaps in once the publish returned (either)
+#   returns  +OK if the key was absent or held ARGV[3] or ARGV[4], and now holds ARGV[1] with the
+#            ttl (as SET NX PX answers), the side key's marker (either form) deleted in the same
+#            step; else the key's PTTL, as ACQUIRE_WAIT answers a refusal
 # Compared on the marker's whole value, never on the task id: a redelivered copy of a message
 # whose run already took the key over finds the run's token there, and waits like any contender.
 HANDOVER = Script(
     "handover",
     """
 local held = redis.pcall('GET', KEYS[1])  -- a reentrant lock's hash: an error value, refused
-if held == false or held == ARGV[3] then
+if held == false or held == ARGV[3] or held == ARGV[4] then
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-    if KEYS[2] and redis.call('GET', KEYS[2]) == ARGV[3] then
+    local beside = KEYS[2] and redis.call('GET', KEYS[2])
+    if beside and (beside == ARGV[3] or beside == ARGV[4]) then
         redis.call('DEL', KEYS[2])
     end
     return redis.status_reply('OK')

@@ -79,11 +79,14 @@ def test_keep_extends_a_marker_only_while_it_is_there(rl: Redlock) -> None:
     placed = markers.place(rl, "kept", side, value, 2.0)
     assert placed.value == value and placed.key is not None
     assert markers.keep(rl, placed.key, value, 60.0)
-    assert markers.keep(rl, placed.key, value, 30.0)  # replaces the TTL left, as any extension
+    kept = markers.published(value)
+    assert kept != value and rl.holder("kept") == kept.partition("|")[2]  # marked published
+    assert not markers.keep(rl, placed.key, value, 60.0)  # the placed form is no longer there
+    assert markers.keep(rl, placed.key, kept, 30.0)  # replaces the TTL left, as any extension
     left = [m.pttl for m in admin.show(rl, "kept").masters]
     assert all(p is not None and 25 < p <= 30 for p in left), left
-    markers.drop(rl, "kept", value)
-    assert not markers.keep(rl, placed.key, value, 60.0)  # gone: not brought back
+    markers.drop(rl, "kept", value)  # either form
+    assert not markers.keep(rl, placed.key, kept, 60.0)  # gone: not brought back
     assert rl.holder("kept") is None
 
 
@@ -120,6 +123,8 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     holder = markers.place(rl, "split", side, first, 10).holder
     assert holder == other.token
     assert markers.place_beside(rl, "split", side, first, 10, holder).key == side
+    assert markers.keep(rl, side, first, 10)  # its publish returned: kept, as published
+    kept = markers.published(first)
     run = markers.HandoverLock(rl, "split", 10, marker=first, side=side)
 
     # The key is free on two masters, then on a third one (the others held it meanwhile): each
@@ -130,7 +135,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
         assert sorted(vote.kind for vote in run.last_votes) == sorted(
             ["yes"] * len(free) + ["held"] * (5 - len(free))
         )
-        assert rl.read_everywhere(side) == [first.encode()] * 5, "the marker was not put back beside the key"
+        assert rl.read_everywhere(side) == [kept.encode()] * 5, "the marker was not put back beside the key"
         # ... for no longer than it had left.
         assert all(0 < pttl <= 30_000 for pttl in _pttls(masters, side))
         _hold_on(masters, free, key, other.token)
@@ -139,7 +144,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     again = markers.place(
         rl, "split", side, markers.new_value(record.to_text(task="b2", since=time.time())), 10
     )
-    assert again.value is None and again.beside == first
+    assert again.value is None and again.beside == kept
     other.release()
     assert take(run)
     assert rl.read_everywhere(side) == [None] * 5

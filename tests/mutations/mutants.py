@@ -42,6 +42,9 @@ NOSCRIPT_TESTS = "tests/core/test_noscript.py::"
 RUNSTATE = "celery_redlock/celery/runstate.py"
 REVIEW26 = "tests/review26/test_review26_transports.py"
 REVIEW26_RUNS = "tests/review26/test_review26_runstate.py"
+ENQUEUE = "celery_redlock/celery/enqueue.py"
+QUEUED = "celery_redlock/celery/queued.py"
+ENQUEUE_LOST = "tests/celery/test_celery_enqueue_lost.py"
 
 # The counter's reading, max(counter, clock in us), taken in a step of its own before the SET:
 # what FENCED_ACQUIRE reads, but no longer in the step that sets the key.
@@ -534,6 +537,47 @@ MUTANTS: tuple[Mutant, ...] = (
                 "            if self._delivering or self._closed:\n",
             ),
         ),
+    ),
+    Mutant(
+        "enqueue_marker_outlives_expires",
+        "a marker outlives its message's expires: later calls are handed a discarded message's id",
+        (f"{ENQUEUE_LOST}::test_a_publish_after_the_queued_message_expired_is_not_deduplicated_against_it",),
+        (Edit(QUEUED, "    return ttl if left is None else min(ttl, left)", "    return ttl"),),
+    ),
+    Mutant(
+        "enqueue_deduplicates_against_unpublished",
+        "a call is handed the id of a publish that never returned: its work never runs",
+        (
+            f"{ENQUEUE_LOST}::test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_"
+            "still_runs",
+        ),
+        (
+            Edit(
+                ENQUEUE,
+                "    pending = record.queued and not record.published and age is not None and age < "
+                "PUBLISH_WINDOW",
+                "    pending = False",
+            ),
+        ),
+    ),
+    Mutant(
+        "enqueue_plain_lock_on_other_master_names",
+        "a run whose message was marked under other names for its masters is refused by its marker",
+        (f"{ENQUEUE_LOST}::test_a_message_marked_under_other_names_for_the_same_masters_runs",),
+        (
+            Edit(
+                QUEUED,
+                "            masters_fingerprint(redlock),\n        )\n    owner = ",
+                "            masters_fingerprint(redlock),\n        )\n"
+                "        return redlock.lock(name, ttl, holder=holder)\n    owner = ",
+            ),
+        ),
+    ),
+    Mutant(
+        "enqueue_stale_result_waits",
+        "a duplicate of a running reused task id waits out FINISHING_WAIT for an earlier run's result",
+        (f"{ENQUEUE_LOST}::test_a_duplicate_of_a_running_reused_task_id_is_answered_without_waiting",),
+        (Edit(ENQUEUE, "        return done.timestamp() >= started - 0.001", "        return True"),),
     ),
     Mutant(
         "beat_dip_refuses",
