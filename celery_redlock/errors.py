@@ -8,7 +8,7 @@ Celery serializes a task's exception into the result backend (pickle or JSON) an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,6 +33,19 @@ class Vote:
 
     def as_dict(self) -> dict[str, str]:
         return {"master": self.master, "kind": self.kind, "detail": self.detail}
+
+
+#: The votes of masters that did not answer: an error (a failed connection included), or no
+#: reply within ``request_timeout``.
+UNANSWERED: tuple[VoteKind, ...] = ("error", "timeout")
+#: The votes of masters that did not grant: those that did not answer, and those that refused.
+AGAINST: tuple[VoteKind, ...] = ("held", *UNANSWERED)
+
+
+def name_masters(votes: Iterable[Vote], kinds: Collection[str] = AGAINST) -> list[str]:
+    """The masters whose vote is one of ``kinds``, each as its vote reads (``master: kind
+    (detail)``): what an error or a warning names when a round missed its quorum."""
+    return [str(vote) for vote in votes if vote.kind in kinds]
 
 
 class RedlockError(Exception):
@@ -122,7 +135,7 @@ class LockNotAcquired(RedlockError):
     @property
     def unavailable_masters(self) -> list[str]:
         """The masters that failed or did not answer in the last attempt."""
-        return [str(v) for v in self.votes if v.kind in ("error", "timeout")]
+        return name_masters(self.votes, UNANSWERED)
 
 
 class NotLocked(RedlockError):

@@ -28,6 +28,8 @@ logger = logging.getLogger("celery_redlock.task")
 # before it fails naming them: a test or a script is better told at once than made to hang.
 EAGER_UNAVAILABLE_WAIT = 2.0
 ATTEMPT_HEADER = "redlock_attempt"
+# What a wait for the lock leaves before the run's hard time limit (see _wait_cap).
+HARD_LIMIT_MARGIN = 1.0
 
 
 def contended(
@@ -151,19 +153,14 @@ def _decide_by_holder(
 
 def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOptions) -> bool:
     """Wait in this worker for the lock, woken by its release, up to ``lock_wait_timeout``;
-    True once held. Capped so a soft time limit never fires inside the wait; ended early
-    when the worker process learns the task was revoked (not under prefork without
-    terminate: the child never sees the revoked set, so it waits out its timeout as a
-    running body would)."""
+    True once held. Capped so that neither time limit fires inside the wait (see
+    :func:`_time_limit`); ended early when the worker process learns the task was revoked (not
+    under prefork without terminate: the child never sees the revoked set, so it waits out its
+    timeout as a running body would)."""
     timeout = options.wait_timeout
-    soft = getattr(task.request, "timelimit", None)
-    soft_limit = (
-        (soft[1] if soft and len(soft) > 1 else None)
-        or getattr(task, "soft_time_limit", None)
-        or task.app.conf.task_soft_time_limit  # the pool's default, app-wide
-    )
-    if soft_limit:
-        timeout = min(timeout, max(0.0, float(soft_limit) - lock.redlock.request_timeout))
+    cap = _wait_cap(task, lock.redlock.request_timeout)
+    if cap is not None:
+        timeout = min(timeout, cap)
     if getattr(task.request, "is_eager", False):
         timeout = min(timeout, options.ttl)  # an eager run gives up within one TTL in all
     from celery.worker import state as worker_state  # the worker's own, in this process
@@ -174,6 +171,10 @@ def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOpti
     if not got and task_id in revoked:
         # Revoked while it waited: ended as a revoked run ends (no retry is published).
         logger.info("task %s[%s] revoked while it waited for %s", task.name, task_id, lock.name)
+        # INVARIANT (a marker lasts no longer than its message): this message will never run
+        # again, and Celery sends no task_revoked for a run that ends this way: its marker
+        # (beside the key, where its failed attempts put it back) is deleted here, by value.
+        enqueue.drop_abandoned_marker(sender=task, key=lock.name, policy="revoked")
         backend: Any = task.backend
         backend.mark_as_revoked(task_id, "revoked while waiting for its lock", request=task.request)
         raise Ignore()
@@ -186,6 +187,32 @@ def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOpti
         "held" if got else "not freed in time",
     )
     return got
+
+
+def _wait_cap(task: Task, request_timeout: float) -> float | None:
+    """How long a wait for the lock may last within this run's time limits (the call's, else
+    the task's, else the app's); None when it has neither.
+
+    INVARIANT (a marker lasts no longer than its message): a wait ends before either limit
+    fires. A soft limit raised inside it would fail the run as a body's exception would; a hard
+    limit kills the pool child, which then runs nothing of its own again, so a run still waiting
+    (its message's marker not yet taken over) could neither delete the marker nor publish its
+    lock retry (the worker's main process deletes the marker, see :mod:`.discarded`, but the
+    work is lost). The hard limit leaves :data:`HARD_LIMIT_MARGIN` for what follows a wait that
+    failed (asking for the holder, publishing the lock retry)."""
+    limits = getattr(task.request, "timelimit", None) or (None, None)
+    hard = limits[0] or getattr(task, "time_limit", None) or task.app.conf.task_time_limit
+    soft = (
+        (limits[1] if len(limits) > 1 else None)
+        or getattr(task, "soft_time_limit", None)
+        or task.app.conf.task_soft_time_limit  # the pool's default, app-wide
+    )
+    caps = [
+        float(limit) - margin
+        for limit, margin in ((hard, HARD_LIMIT_MARGIN), (soft, request_timeout))
+        if limit
+    ]
+    return max(0.0, min(caps)) if caps else None
 
 
 def give_up(

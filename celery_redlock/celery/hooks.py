@@ -17,6 +17,11 @@ RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s
   or was interrupted by a terminate signal (``revoke(terminate=True)`` raises SystemExit in a
   pool child, and the tracer still sends postrun).
 - ``task_revoked`` with ``terminated``: releases the lock if the run was in this process.
+- ``task_unknown`` / ``task_rejected`` (a message the consumer discards: a task this worker does
+  not register, a content type it does not accept), ``task_failure`` (a pool child killed while
+  its run waited for the lock), with ``task_received`` keeping the marked requests for the
+  latter: delete the ``lock_enqueue`` marker of a message that ends without a run that took its
+  key over (:mod:`.discarded`).
 - ``worker_process_shutdown`` / ``worker_shutdown``: releases every lock still held here.
 - ``worker_init`` / ``worker_shutdown``: the Prometheus metrics, when ``redlock_metrics`` asks
   for them (:mod:`.metrics`: nothing is imported or connected otherwise).
@@ -33,7 +38,7 @@ from typing import Any
 from celery import signals as celery_signals
 
 from ..errors import ConfigError
-from . import held
+from . import discarded, held
 from .settings import app_settings_and_redlock, close_app_redlock
 from .slots import PUBLISHED_HEADER
 
@@ -95,6 +100,11 @@ _HOOKS = (
     (celery_signals.before_task_publish, stamp_publish_time),
     (celery_signals.task_postrun, release_after_run),
     (celery_signals.task_revoked, release_revoked),
+    # A marker lasts no longer than its message (see discarded.py's INVARIANT).
+    (celery_signals.task_unknown, discarded.drop_discarded_marker),
+    (celery_signals.task_rejected, discarded.drop_discarded_marker),
+    (celery_signals.task_received, discarded.note_marked),
+    (celery_signals.task_failure, discarded.drop_failed_marker),
     (celery_signals.worker_process_init, prepare_child),
     (celery_signals.worker_process_shutdown, release_at_shutdown),
     (celery_signals.worker_shutdown, release_at_shutdown),

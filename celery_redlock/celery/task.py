@@ -38,7 +38,7 @@ from celery import Task
 from celery.states import IGNORED, SUCCESS
 
 from .._fork import pid
-from ..errors import ConfigError, NotLocked
+from ..errors import ConfigError, NotLocked, name_masters
 from ..lock.heartbeat import process_heartbeat
 from ..lock.reentrant import ReentrantLock, forget_holding
 from ..lock.resource import Lock
@@ -525,7 +525,8 @@ def _in_prefork_child() -> bool:
 
 def _release_or_warn(task_name: str, held: Held) -> None:
     """Release ``held``'s lock; a round that no quorum answered is said at WARNING, never raised:
-    the run's own outcome is what the caller waits for."""
+    the run's own outcome is what the caller waits for. The warning names the masters that did
+    not answer (an operator's first question), from the votes the failed round kept."""
     try:
         released = held.lock.release()
     except Exception as exc:  # a refused master, a closed Redlock: the run still completes
@@ -533,7 +534,7 @@ def _release_or_warn(task_name: str, held: Held) -> None:
         logger.debug("releasing %s raised", held.lock.name, exc_info=True)
         detail = f": {exc}"
     else:
-        detail = ""
+        detail = "" if released else f" ({'; '.join(name_masters(held.lock.release_votes))})"
     if not released:
         logger.warning(
             "task %s[%s]: the release of lock %s was not confirmed by a quorum of masters%s; "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .._fork import on_fork_in_child
 from .._validate import number
-from ..errors import ConfigError
+from ..errors import ConfigError, name_masters
 from .clock import now
 from .redlock import Redlock
 from .reentrant import ReentrantLock
@@ -374,9 +374,12 @@ class Heartbeat:
             left = lock.validity
             quick = left < 2 * lock.redlock.request_timeout
             retry = MIN_RETRY if quick else max(MIN_RETRY, left * RETRY_FRACTION)
+            # The masters that did not extend it, named: the votes of the failed round
+            # (Lock.last_votes, set by _settle_extension).
             logger.warning(
-                "extension of %s failed; %.2f s of validity left, retrying in %.2f s",
+                "extension of %s failed (%s); %.2f s of validity left, retrying in %.2f s",
                 lock.name,
+                "; ".join(name_masters(lock.last_votes)) or "the round raised",
                 lock.validity,
                 retry,
             )

@@ -38,7 +38,7 @@ from .fencing import FencedLock
 from .reentrant import ReentrantLock
 from .resource import HOLDER_SEPARATOR, Lock, lock_key
 from .subscriber import Subscriber
-from .tally import Tally, is_ok, is_one, to_late
+from .tally import Tally, is_answer, is_ok, is_one, to_late
 from .tally import retraction as retraction_of
 from .transport.commands import GRANTED, HELD, Command, Outcome
 from .transport.fast import FastTransport
@@ -447,11 +447,13 @@ class Redlock:
         *,
         commands: Commands = PLAIN,
         command: Command | None = None,
+        lock: Lock | None = None,
     ) -> bool:
         """Compare-and-delete ``key`` for ``token`` on every master, and wait for the replies
         (within ``request_timeout``); True when a quorum answered, so that the lock is no longer
         ours on a quorum. ``command``, if given, is sent instead of ``commands``' release (a fair
-        lock's).
+        lock's). When no quorum answered, ``lock`` (the Lock released, if any) is given every
+        master's vote in its ``release_votes``, so that whoever warns can name the masters.
 
         INVARIANT (release-then-acquire): when this returns True, an acquire that any client
         starts afterwards finds no key of ``token`` on a quorum, so it is not refused by this lock.
@@ -467,7 +469,11 @@ class Redlock:
             outcomes = rnd.call(
                 [command] * len(self.masters), self.request_timeout, keep=True, enough=self.quorum
             )
-        return sum(1 for o in outcomes if o.kind == "ok") >= self.quorum
+        if sum(1 for o in outcomes if o.kind == "ok") >= self.quorum:
+            return True  # the hot path builds no votes
+        if lock is not None:
+            lock.release_votes = self.tally.votes(outcomes, is_answer)[0]
+        return False
 
     def send_release(
         self,

@@ -14,7 +14,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +137,9 @@ class Lock:
     _commands: Commands = PLAIN
     _waiting_commands: Commands = PLAIN_WAITING
     fenced = False  # whether grants carry a fence (see fencing.py)
+    # Every master's vote on the last release that no quorum answered (empty after one that a
+    # quorum did): what names the masters in a warning. Set on the failure path only.
+    release_votes: Sequence[Vote] = ()
 
     def __init__(
         self,
@@ -551,13 +554,14 @@ class Lock:
             token, self._token = self._token, None
             self._valid_until = 0.0
             self._lost_reason = ""
+            self.release_votes = ()  # this release's, if no quorum answers it (see release_key)
             command = self._release_command(token) if token is not None else None
         if token is None:
             return True
         if not wait:
             self.redlock.send_release(self.key, token, commands=self._commands, command=command)
             return True
-        return self.redlock.release_key(self.key, token, commands=self._commands, command=command)
+        return self.redlock.release_key(self.key, token, commands=self._commands, command=command, lock=self)
 
     def ensure(self) -> None:
         """Raise :class:`LockLost` unless the lock is still owned."""

@@ -34,6 +34,11 @@ def is_one(value: Any) -> bool:
     return bool(value == 1)
 
 
+def is_answer(value: Any) -> bool:
+    """A release's: any reply took effect (1 deleted our key, 0 found it already gone)."""
+    return True
+
+
 def is_positive(value: Any) -> bool:
     """A count or counter above zero: a reentrant re-entry's depth, a fenced acquire's reading."""
     return type(value) is int and value > 0

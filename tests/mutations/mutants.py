@@ -45,6 +45,9 @@ REVIEW26_RUNS = "tests/review26/test_review26_runstate.py"
 ENQUEUE = "celery_redlock/celery/enqueue.py"
 QUEUED = "celery_redlock/celery/queued.py"
 ENQUEUE_LOST = "tests/celery/test_celery_enqueue_lost.py"
+HOOKS = "celery_redlock/celery/hooks.py"
+MARKER_ENDS = "tests/celery/test_celery_marker_ends.py"
+WARNINGS = "tests/celery/test_celery_warnings_name_masters.py"
 
 # The counter's reading, max(counter, clock in us), taken in a step of its own before the SET:
 # what FENCED_ACQUIRE reads, but no longer in the step that sets the key.
@@ -177,7 +180,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "release returns before the masters applied it (rnd.send)",
         (
             "tests/core/test_release_contract.py::"
-            "test_an_acquire_started_after_release_returned_is_never_refused[embedded-slow-plain]",
+            "test_an_acquire_started_after_release_returned_is_never_refused[embedded-fast-slow-plain]",
         ),
         (
             Edit(
@@ -186,9 +189,8 @@ MUTANTS: tuple[Mutant, ...] = (
                 "                [command] * len(self.masters), self.request_timeout, keep=True, "
                 "enough=self.quorum\n"
                 "            )\n"
-                '        return sum(1 for o in outcomes if o.kind == "ok") >= self.quorum',
-                "            rnd.send([command] * len(self.masters), self.request_timeout)\n"
-                "        return True",
+                '        if sum(1 for o in outcomes if o.kind == "ok") >= self.quorum:',
+                "            rnd.send([command] * len(self.masters), self.request_timeout)\n        if True:",
             ),
         ),
     ),
@@ -601,6 +603,93 @@ MUTANTS: tuple[Mutant, ...] = (
                 "celery_redlock/celery/kinds.py",
                 "    scheduler._last_timestamp = _earliest_change()",
                 "    pass",
+            ),
+        ),
+    ),
+    Mutant(
+        "marker_kept_by_a_discarded_message",
+        "a marked message the consumer discards as an unregistered task keeps its marker",
+        (f"{MARKER_ENDS}::test_a_marked_message_a_worker_discards_as_unregistered_frees_its_key",),
+        (Edit(HOOKS, "    (celery_signals.task_unknown, discarded.drop_discarded_marker),\n", ""),),
+    ),
+    Mutant(
+        "marker_kept_by_a_rejected_message",
+        "a marked message the consumer rejects (a content type it does not accept) keeps its marker",
+        (f"{MARKER_ENDS}::test_a_marked_message_a_worker_rejects_for_its_content_type_frees_its_key",),
+        (Edit(HOOKS, "    (celery_signals.task_rejected, discarded.drop_discarded_marker),\n", ""),),
+    ),
+    Mutant(
+        "marker_kept_by_a_revoked_wait",
+        "a marked run revoked while it waits for the lock keeps its marker",
+        (f"{MARKER_ENDS}::test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key",),
+        (
+            Edit(
+                "celery_redlock/celery/contend.py",
+                '        enqueue.drop_abandoned_marker(sender=task, key=lock.name, policy="revoked")\n',
+                "",
+            ),
+        ),
+    ),
+    Mutant(
+        "marker_kept_by_a_killed_child",
+        "a marked run whose pool child is killed while it waits keeps its marker",
+        (
+            f"{MARKER_ENDS}::test_a_marked_run_whose_pool_child_is_killed_while_it_waits_frees_its_key",
+            f"{MARKER_ENDS}::test_the_hard_time_limits_failure_sent_without_the_request_deletes_the_marker",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/discarded.py",
+                "    for carried in found:\n        if carried is not None:\n",
+                "    for carried in found:\n        if carried is None:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "marker_of_a_hard_limit_failure_not_found",
+        "the hard time limit's failure, sent without the run's request, finds no marker to delete",
+        (f"{MARKER_ENDS}::test_the_hard_time_limits_failure_sent_without_the_request_deletes_the_marker",),
+        (
+            Edit(
+                "celery_redlock/celery/discarded.py",
+                "        _marked[(task_id, carried[1])] = request\n",
+                "        pass\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "wait_outlasts_the_hard_time_limit",
+        "a marked run waiting for the lock is killed by its hard time limit: the work is lost",
+        (f"{MARKER_ENDS}::test_a_marked_run_with_a_hard_time_limit_is_not_killed_while_it_waits",),
+        (
+            Edit(
+                "celery_redlock/celery/contend.py",
+                "        for limit, margin in ((hard, HARD_LIMIT_MARGIN), (soft, request_timeout))\n",
+                "        for limit, margin in ((soft, request_timeout),)\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "release_warning_names_no_master",
+        "the warning of an unconfirmed release does not say which masters did not answer",
+        (f"{WARNINGS}::test_the_warning_of_an_unconfirmed_release_names_the_masters",),
+        (
+            Edit(
+                TASK,
+                "join(name_masters(held.lock.release_votes))",
+                "join([])",
+            ),
+        ),
+    ),
+    Mutant(
+        "extension_warning_names_no_master",
+        "the warning of a failed heartbeat extension does not say which masters did not extend it",
+        (f"{WARNINGS}::test_the_warning_of_a_failed_heartbeat_extension_names_the_masters",),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                '                "; ".join(name_masters(lock.last_votes)) or "the round raised",\n',
+                '                "",\n',
             ),
         ),
     ),

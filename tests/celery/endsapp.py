@@ -1,0 +1,98 @@
+"""The Celery app of the marker-ends and warning tests' real workers (``celery -A endsapp``).
+
+Configured from the environment: ``ENDS_BROKER`` (also the result backend and the records),
+``ENDS_MASTERS`` (the lock masters; the warning tests' workers reach them through proxies).
+Every task locks ``e:<key>``; events go to the Redis list ``ends:<key>``.
+
+With ``ENDS_OLD_DEPLOY=1`` the marked tasks are not registered: a worker of another deploy
+(one that runs celery_redlock, with other locked tasks) reading the same queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from celery_redlock import RedlockTask
+
+BROKER = os.environ.get("ENDS_BROKER", "redis://127.0.0.1:1/0")
+
+app = Celery("endsapp", broker=BROKER, backend=BROKER)
+app.conf.update(
+    redlock_masters=os.environ.get("ENDS_MASTERS") or None,
+    redlock_ttl=10.0,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=600,
+    task_default_queue="ends-unused",
+)
+
+_records: redis.Redis | None = None
+_records_pid = 0
+
+
+def records() -> redis.Redis:
+    global _records, _records_pid
+    if _records is None or _records_pid != os.getpid():
+        _records = redis.Redis.from_url(BROKER, socket_timeout=10)
+        _records_pid = os.getpid()
+    return _records
+
+
+def record(key: str, event: str, **fields: Any) -> None:
+    fields.setdefault("t", time.time())
+    records().rpush(f"ends:{key}", json.dumps({"event": event, "key": key, "pid": os.getpid(), **fields}))
+
+
+def events(key: str) -> list[dict[str, Any]]:
+    return [json.loads(raw) for raw in records().lrange(f"ends:{key}", 0, -1)]
+
+
+def _hold(task: Any, key: str, seconds: float) -> str:
+    record(key, "start", task_id=task.request.id)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+    record(key, "end", task_id=task.request.id)
+    return key
+
+
+@app.task(bind=True, base=RedlockTask, name="ends.slow", lock_key="e:<key>", lock_contended="fail")
+def slow(self: Any, key: str, seconds: float) -> str:
+    """Holds ``e:<key>`` for ``seconds``: another task, whose hold makes a marked run wait."""
+    return _hold(self, key, seconds)
+
+
+if os.environ.get("ENDS_OLD_DEPLOY") != "1":
+
+    @app.task(
+        bind=True,
+        base=RedlockTask,
+        name="ends.marked",
+        lock_key="e:<key>",
+        lock_contended="retry",
+        lock_retry_backoff=0.25,
+        lock_retry_backoff_max=1.0,
+        lock_enqueue="return_existing",
+    )
+    def marked(self: Any, key: str, seconds: float = 0.0) -> str:
+        return _hold(self, key, seconds)
+
+    @app.task(
+        bind=True,
+        base=RedlockTask,
+        name="ends.marked_wait",
+        lock_key="e:<key>",
+        lock_contended="wait",
+        lock_wait_timeout=30.0,
+        lock_retry_backoff=0.25,
+        lock_retry_backoff_max=1.0,
+        lock_enqueue="return_existing",
+    )
+    def marked_wait(self: Any, key: str, seconds: float = 0.0) -> str:
+        return _hold(self, key, seconds)
