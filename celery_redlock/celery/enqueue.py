@@ -137,11 +137,11 @@ def _existing(value: str) -> Existing:
     if record is None:
         return Existing(None, True, value)
     # A marker is placed for PUBLISH_WINDOW and swapped for its published form (markers.keep)
-    # once the broker has its message. One still unpublished after its window (by its own
-    # clock), or that says not when it was placed, was kept by a publisher that wrote no such
-    # flag: an older version's.
-    age = record.age()
-    pending = record.queued and not record.published and age is not None and age < PUBLISH_WINDOW
+    # once the broker has its message. Pending is what the marker says (published: false), not
+    # a guess from its age: a publisher's slow placement or another host's clock would make a
+    # marker whose publish never returned look published, and hand out a task id no message
+    # carries. A marker that says nothing was written by a version without the flag.
+    pending = record.queued and record.published is False
     return Existing(record.task, record.queued, value, pending)
 
 
@@ -225,8 +225,11 @@ def apply_async(
     if mode is None or task.app.conf.task_always_eager:
         # Eager: Celery runs it here and now, publishing nothing; the run's lock is the lock.
         return publish(args, kwargs, task_id=task_id, **options)
-    request = task.request
-    if task_id is not None and task_id == getattr(request, "id", None) and not request.called_directly:
+    # The run publishing its own retry, if any. A task not yet bound to its app (a first publish
+    # racing the app's lazy set-up in another thread) has no request stack: nothing runs it here.
+    stack = task.request_stack
+    request = stack.top if stack is not None else None
+    if task_id is not None and request is not None and task_id == request.id and not request.called_directly:
         return _republish(task, publish, args, kwargs, task_id, options)
     settings, redlock = app_settings_and_redlock(task.app)
     name = task.lock_name(tuple(args or ()), kwargs or {})
@@ -277,10 +280,10 @@ def _place_settled(
     placed = _place(task, redlock, name, value, ttl)
     if isinstance(placed, Existing) and placed.pending:
         # Handed that id, this call would run only if that publish succeeds. Wait (bounded by
-        # the marker's window) until it is published, or gone (then this call places its own).
-        placed = _wait_out(
-            task, redlock, name, value, ttl, placed, PUBLISH_WINDOW, lambda found: not found.pending
-        )
+        # the marker's window, which began before this call saw it, and one round to see it
+        # gone) until it is published, or gone (then this call places its own).
+        window = PUBLISH_WINDOW + redlock.request_timeout
+        placed = _wait_out(task, redlock, name, value, ttl, placed, window, lambda found: not found.pending)
     # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
     # rate limit): then the key stays taken, and the duplicate is one at once.
     if (

@@ -214,19 +214,31 @@ class Heartbeat:
         """Stop keeping ``lock`` alive (call before or after releasing it)."""
         lock = _kept(lock)
         lock._keep_alive(None)
+        owed = None
         with self._cond:
             entry = self._entries.pop(id(lock), None)
             if entry is not None:
                 entry.done = True
                 # The callback usually holds its owner's state (a task's lock and request data):
-                # a forgotten entry waiting in the queue must not keep that alive.
-                entry.on_lost = None
+                # a forgotten entry waiting in the queue must not keep that alive. Taken under
+                # the condition, as _lost takes it: whoever takes it calls it, at most once.
+                owed, entry.on_lost = entry.on_lost, None
             # Forgotten entries leave the queue lazily, when they come due a whole interval
             # later; a busy process forgets thousands per interval, and every one of them would
             # sit in memory (and in the garbage collector's way) until then.
             if len(self._queue) > 2 * len(self._entries) + COMPACT_SLACK:
                 self._queue = [due for due in self._queue if not due[2].done]
                 heapq.heapify(self._queue)
+        # INVARIANT: a kept lock lost while kept is announced, once. Its owner may see the loss
+        # first (ensure() raising after a stop longer than the TTL) and forget it before this
+        # thread's round does: the lock still has this entry's token, and is no longer owned.
+        if owed is not None and entry is not None and lock.token == entry.token and not lock.owned():
+            reason = lock.lost_reason or "validity ran out while it was kept"
+            logger.error("lock %s lost: %s", lock.name, reason)
+            try:
+                owed(lock, reason)
+            except Exception:
+                logger.exception("on_lost callback failed for %s", lock.name)
 
     def kept(self) -> list[Lock]:
         """The locks kept alive now."""
@@ -401,12 +413,15 @@ class Heartbeat:
 
     def _lost(self, lock: Lock, entry: _Entry, reason: str) -> None:
         self._finish(lock, entry)
+        with self._cond:  # see forget(): one of the two calls it
+            owed, entry.on_lost = entry.on_lost, None
         logger.error("lock %s lost: %s", lock.name, reason)
-        if entry.on_lost is not None:
-            try:
-                entry.on_lost(lock, reason)
-            except Exception:
-                logger.exception("on_lost callback failed for %s", lock.name)
+        if owed is None:
+            return
+        try:
+            owed(lock, reason)
+        except Exception:
+            logger.exception("on_lost callback failed for %s", lock.name)
 
 
 _process_heartbeat: Heartbeat | None = None

@@ -37,7 +37,9 @@ class HolderRecord:
     publish that reused its task id. A *marker* (``queued``: the lock taken at publish, for a
     message still waiting in the broker) names the queued task and its publisher's host and pid;
     ``published`` says the broker has accepted its message (written once the publish returned,
-    see ``markers.keep``): until then, nothing is known to carry the task id it names.
+    see ``markers.keep``): until then (False), nothing is known to carry the task id it names.
+    A marker's record always says which (None: a record that does not, written by a version
+    without the flag, whose marker is taken as published).
     """
 
     task: str | None = None
@@ -52,14 +54,20 @@ class HolderRecord:
     # Which process ``pid`` is (see process_identity): a host name and a pid alone do not tell a
     # process apart from one in another container or pid namespace that shares the host name.
     proc: str | None = None
-    published: bool = False
+    published: bool | None = False
+
+    def __post_init__(self) -> None:
+        if not self.queued and self.published is not False:  # a run's record: it is no marker
+            object.__setattr__(self, "published", False)
 
     @functools.cached_property
     def _shared_text(self) -> str:
         # Written once per record: a task caches one record for its runs and fills in the rest.
         fields = {key: getattr(self, key) for key in _SHARED}
         fields["queued"] = fields["queued"] or None  # written only when true
-        fields["published"] = fields["published"] or None
+        # A marker says whether its message is published, explicitly: false is not "unknown",
+        # which a reader could only guess at by the marker's age, across hosts' clocks.
+        fields["published"] = fields["published"] if self.queued else None
         kept = {key: value for key, value in fields.items() if value is not None}
         return json.dumps(kept, separators=(",", ":"))[1:-1]
 
@@ -131,8 +139,12 @@ def parse(text: str) -> HolderRecord | None:
         queued=fields.get("queued") is True,
         publish=_typed(fields.get("publish"), str),
         proc=_typed(fields.get("proc"), str),
-        published=fields.get("published") is True,
+        published=_typed_bool(fields.get("published")) if fields.get("queued") is True else False,
     )
+
+
+def _typed_bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _typed(value: Any, kind: type) -> Any:

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RUN = uuid.uuid4().hex[:8]
 QUEUE = f"q-ops-{RUN}"
+STARTED: list[CeleryWorker] = []  # the module's workers, for a failure's account
 
 
 def ops_env(broker: RedisServer, masters: ServerSet) -> dict[str, str]:
@@ -66,6 +67,7 @@ def workers(opsapp: Any, broker: RedisServer, _redlock_server_set: ServerSet) ->
             )
             worker.metrics_port = port  # type: ignore[attr-defined]
             started.append(worker.start())
+        STARTED[:] = started
         yield started
     finally:
         for worker in started:
@@ -98,15 +100,19 @@ def wait_until(predicate: Any, timeout: float, what: str) -> Any:
 
 
 def started_runs(broker: RedisServer, name: str, count: int) -> list[dict[str, Any]]:
-    return wait_until(
-        lambda: (
-            (found := [r for r in listed(broker, name) if r["event"] in ("start", "ran")])
-            and len(found) >= count
-            and found
-        ),
-        60,
-        f"{count} runs to start",
-    )
+    try:
+        return wait_until(
+            lambda: (
+                (found := [r for r in listed(broker, name) if r["event"] in ("start", "ran")])
+                and len(found) >= count
+                and found
+            ),
+            60,
+            f"{count} runs to start",
+        )
+    except AssertionError as exc:  # what the workers were doing instead
+        tails = "\n".join(f"{worker!r}:\n{worker.log_tail()}" for worker in STARTED)
+        raise AssertionError(f"{exc}; found {listed(broker, name)}\n{tails}") from None
 
 
 @pytest.mark.timeout(120)

@@ -140,6 +140,16 @@ def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
     return bool(predicate())
 
 
+def released_everywhere(masters: ServerSet, released: Any, *, key: str | None = None) -> bool:
+    """An operator's release as a loaded host sees it: confirmed at once by a quorum of the
+    masters (``released.deleted``), and applied by every master soon after, its delete having
+    been sent to each (a late answer is not a refusal). ``key=None`` when someone may take the
+    lock again at once: then only the quorum is asked for."""
+    if released.deleted < len(masters) // 2 + 1:
+        return False
+    return key is None or wait_for(lambda: not any(keys_on(masters, key).values()), 5)
+
+
 def take(lock: Any, within: float = 5.0) -> bool:
     """``lock.acquire(blocking=False)`` for a test whose subject is not the single attempt: an
     attempt that failed only because answers came late (a loaded host: no master said the key

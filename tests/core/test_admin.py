@@ -19,7 +19,7 @@ from celery_redlock.lock.heartbeat import Heartbeat
 from celery_redlock.lock.holder import describe_holder, process_identity
 from celery_redlock.testing import RedisServer, ServerSet
 
-from .conftest import take
+from .conftest import released_everywhere, take
 
 
 def record(ttl: float, *, pid: int = 4242, host: str = "worker-3", since: float | None = None) -> str:
@@ -148,7 +148,7 @@ def test_force_release_deletes_only_the_token_shown_and_wakes_a_waiter(
         thread.start()
         time.sleep(0.3)  # the waiter's first attempt is refused and it sleeps on the release
         released_at = time.monotonic()
-        assert admin.force_release(rl, current, by="test").deleted == 5
+        assert released_everywhere(masters, admin.force_release(rl, current, by="test"))
         thread.join(20)
         assert got, "the waiter never got the lock"
         assert time.monotonic() - released_at < 2.0  # woken by the release, not by the 30 s TTL
@@ -160,7 +160,7 @@ def test_release_of_a_reentrant_lock_deletes_its_hash(masters: ServerSet, rl: Re
     lock = rl.lock("re-stuck", ttl=30, reentrant=True)
     assert take(lock)
     released, alive = admin.release(rl, "re-stuck", force=True)
-    assert released.deleted == 5 and alive is None
+    assert released_everywhere(masters, released, key="redlock:re-stuck") and alive is None
     assert admin.show(rl, "re-stuck").kind == "free"
 
 
@@ -176,7 +176,7 @@ def test_release_is_refused_while_the_holder_extends_it(masters: ServerSet, rl: 
         assert lock.owned() and admin.show(rl, "alive").token == lock.token
         # --force does it anyway; the holder then loses its lock at its next extension.
         released, _ = admin.release(rl, "alive", force=True)
-        assert released.deleted == 5
+        assert released_everywhere(masters, released, key="redlock:alive")
         deadline = time.monotonic() + 5
         while lock.extend() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -197,7 +197,7 @@ def test_a_lock_not_extended_past_its_recorded_interval_is_stale_and_released(
     assert take(lock)
     released, alive = admin.release(rl, "stale", watch=10)
     assert alive is not None and alive.state == "stale", alive
-    assert released.deleted == 5
+    assert released_everywhere(masters, released, key="redlock:stale")
     assert rl.lock("stale", ttl=2.0).acquire(blocking=False)
 
 
@@ -230,7 +230,7 @@ def test_a_holder_whose_process_is_gone_on_this_host_is_released_without_watchin
     started = time.monotonic()
     released, alive = admin.release(rl, "gone", watch=30)
     assert alive is not None and alive.state == "gone" and time.monotonic() - started < 1.0
-    assert released.deleted == 5
+    assert released_everywhere(masters, released, key="redlock:gone")
 
 
 @pytest.mark.timeout(30)

@@ -136,3 +136,32 @@ def test_a_forked_child_gets_its_own_heartbeat() -> None:
     os.close(read)
     os.waitpid(pid, 0)
     assert answer == b"1"
+
+
+@pytest.mark.timeout(30)
+def test_a_kept_lock_its_owner_finds_lost_first_is_announced_once(
+    masters: ServerSet, heartbeat: Heartbeat
+) -> None:
+    """The owner sees the loss (its validity ran out while the heartbeat's round hangs on
+    paused masters) and forgets the lock before that round ends: the loss is still announced,
+    by forget(), and not a second time when the round ends."""
+    calls: list[str] = []
+    with Redlock(masters.urls, retry_count=0, request_timeout=0.5) as rl:
+        lock = rl.lock("owner-first", ttl=2.0)
+        assert take(lock)
+        heartbeat.keep(lock, on_lost=lambda _lock, reason: calls.append(reason))
+        for server in masters:
+            server.pause()  # every extension round from now on hangs its whole request timeout
+        try:
+            assert wait_for(lambda: not lock.owned(), 5)
+            with pytest.raises(LockLost):
+                lock.ensure()
+            heartbeat.forget(lock)
+            # Announced by forget(), or (rarely: a round ending within the owner's poll) by the
+            # heartbeat just before: either way once, by now.
+            assert len(calls) == 1, calls
+        finally:
+            for server in masters:
+                server.resume()
+        time.sleep(rl.request_timeout + 0.5)  # the hung round has ended, and found it lost
+        assert len(calls) == 1, calls

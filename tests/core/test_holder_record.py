@@ -30,6 +30,7 @@ records = st.builds(
     ttl=st.none() | numbers,
     heartbeat=st.none() | numbers,
     queued=st.booleans(),
+    published=st.none() | st.booleans(),  # what a record of no marker says is normalised away
     publish=st.none() | texts,
 )
 

@@ -556,8 +556,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 ENQUEUE,
-                "    pending = record.queued and not record.published and age is not None and age < "
-                "PUBLISH_WINDOW",
+                "    pending = record.queued and record.published is False",
                 "    pending = False",
             ),
         ),
