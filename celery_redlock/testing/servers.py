@@ -24,6 +24,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from random import SystemRandom
 
 import redis
 
@@ -31,6 +32,7 @@ logger = logging.getLogger("celery_redlock.testing")
 
 SERVER_BIN_ENV = "CELERY_REDLOCK_SERVER_BIN"
 START_TIMEOUT = 10.0
+PORT_ATTEMPTS = 5  # ports tried at a first start, each picked anew when the last was taken
 
 
 class ServerError(RuntimeError):
@@ -101,11 +103,30 @@ def process_state(pid: int) -> str:
         return ""
 
 
+# Below Linux's default ephemeral range (32768-60999): no outgoing connection is given one of
+# these meanwhile, and processes picking at random seldom meet (the kernel's own pick, port 0,
+# hands a port just closed by one process to the next that asks).
+_PORTS = range(20000, 32768)
+_pick = SystemRandom()  # not the random module: test runners seed it alike in every process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel picks it)."""
+    """A TCP port that was free a moment ago: picked at random, tried by binding it."""
+    for _ in range(50):
+        port = _pick.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+class _PortTaken(Exception):
+    """Another process has the port (taken between the pick and the server's bind)."""
 
 
 class RedisServer:
@@ -133,6 +154,7 @@ class RedisServer:
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
+        self._port_picked = port is None  # may move to another port if this one is taken at start
         self.binary = binary or server_binary()
         self.persistent = persistent
         self.clock_rate = clock_rate
@@ -219,16 +241,27 @@ class RedisServer:
         if self.running:
             return self
         _started.add(self)
-        self._proc = subprocess.Popen(
-            self._command(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env=self._environment(),
-        )
-        self.paused = False
-        self._wait_ready()
+        for attempt in range(PORT_ATTEMPTS):
+            self._proc = subprocess.Popen(
+                self._command(),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                env=self._environment(),
+            )
+            self.paused = False
+            try:
+                self._wait_ready()
+                break
+            except _PortTaken as taken:
+                self.kill()
+                # Only a port picked here moves, and only at the first start: a restart keeps
+                # the address its clients know.
+                if not self._port_picked or attempt == PORT_ATTEMPTS - 1:
+                    raise ServerError(f"server on {self.address}: {taken}") from None
+                self.port = free_port(self.host)
+        self._port_picked = False
         logger.debug("started %r", self)
         return self
 
@@ -238,9 +271,16 @@ class RedisServer:
         try:
             while time.monotonic() < deadline:
                 if self._proc is None or self._proc.poll() is not None:
-                    raise ServerError(f"server on {self.address} exited at start: {self._log_tail()}")
+                    tail = self._log_tail()
+                    if "Address already in use" in tail:
+                        raise _PortTaken("the port was taken by another process")
+                    raise ServerError(f"server on {self.address} exited at start: {tail}")
                 try:
+                    # The server that answers must be this one: another process's server that
+                    # took the port first would answer the ping just as well.
                     if client.ping():
+                        if int(client.info("server").get("process_id", self._proc.pid)) != self._proc.pid:
+                            raise _PortTaken("another process's server answers on it")
                         return
                 except (redis.AuthenticationError, redis.ResponseError):
                     return  # it answers; it wants credentials we were not given

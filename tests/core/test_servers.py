@@ -152,3 +152,23 @@ def test_a_pytest_run_stopped_by_sigterm_stops_its_servers(tmp_path: Path) -> No
     assert run.returncode == 128 + signal.SIGTERM, output
     for pid in pids:
         assert gone(pid), f"server {pid} outlived the run"
+
+
+def test_a_picked_port_taken_by_another_server_moves_and_a_given_one_is_refused() -> None:
+    """Parallel test processes can pick the same free port: the second server must not take the
+    first one's answers for its own (it would be talking to another test's server)."""
+    with RedisServer() as first:
+        second = RedisServer()
+        second.port = first.port  # as if it had picked the same port a moment before
+        try:
+            second.start()
+            assert second.port != first.port and second.client().ping()
+            assert second.client().info("server")["process_id"] != first.client().info("server")["process_id"]
+        finally:
+            second.cleanup()
+        given = RedisServer(port=first.port)  # an address the caller chose: never moved
+        try:
+            with pytest.raises(ServerError, match="another process's server answers on it"):
+                given.start()
+        finally:
+            given.cleanup()
