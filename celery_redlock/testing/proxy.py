@@ -211,9 +211,12 @@ class Proxy:
 
     def _control(self, action: Callable[[], None]) -> None:
         """Run ``action`` on the proxy thread and wait until it has run."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or self._closing:
             action()
             return
+        if not self._thread.is_alive():
+            # A dead thread forwards nothing: answering from here would report bytes held for ever.
+            raise RuntimeError(f"{self.name}: the proxy thread has died (its exception is logged)")
         done = threading.Event()
         with self._control_mutex:
             self._controls.append((action, done))
