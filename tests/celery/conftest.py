@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
+from tests.waiting import wait_for as wait_for  # the Celery tests import it from here
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

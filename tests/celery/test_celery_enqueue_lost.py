@@ -17,13 +17,12 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Any
 
 import pytest
 from celery import states
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 from celery_redlock.celery.settings import close_app_redlock
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
@@ -98,15 +97,6 @@ def threads_queue(lost: ModuleType, servers: Servers) -> Iterator[str]:
         worker.cleanup()
 
 
-def _wait(predicate: Callable[[], Any], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 @pytest.mark.timeout(90)
 def test_a_publish_after_the_queued_message_expired_is_not_deduplicated_against_it(
     lost: ModuleType, servers: Servers, tag: str
@@ -120,8 +110,8 @@ def test_a_publish_after_the_queued_message_expired_is_not_deduplicated_against_
     worker = _worker(servers, "solo", None, queue)
     try:
         worker.start()
-        ran = _wait(lambda: any(e["event"] == "end" for e in lost.events(tag)), 20.0)
-        _wait(lambda: first.state == states.REVOKED, 10.0)
+        ran = wait_for(lambda: any(e["event"] == "end" for e in lost.events(tag)), 20.0)
+        wait_for(lambda: first.state == states.REVOKED, 10.0)
     finally:
         worker.cleanup()
     assert ran and second.id != first.id, (
@@ -153,7 +143,7 @@ def test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_st
             stderr=subprocess.STDOUT,
         )
         try:
-            marked = _wait(lambda: lost.deduped.queued_task_id(tag) is not None, 20.0)
+            marked = wait_for(lambda: lost.deduped.queued_task_id(tag) is not None, 20.0)
             ghost = lost.deduped.queued_task_id(tag)
         finally:
             os.kill(publisher.pid, signal.SIGKILL)
@@ -182,7 +172,7 @@ def test_a_duplicate_of_a_running_reused_task_id_is_answered_without_waiting(
     fixed = f"fixed-{tag}"
     lost.deduped.apply_async((tag, 0.0), task_id=fixed, queue=threads_queue).get(timeout=20)
     lost.deduped.apply_async((tag, 4.0), task_id=fixed, queue=threads_queue)
-    assert _wait(lambda: sum(e["event"] == "start" for e in lost.events(tag)) == 2, 15.0)
+    assert wait_for(lambda: sum(e["event"] == "start" for e in lost.events(tag)) == 2, 15.0)
     started = time.monotonic()
     dup = lost.deduped.apply_async((tag,), queue=threads_queue)
     took = time.monotonic() - started

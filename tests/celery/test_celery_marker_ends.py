@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from celery import states
-from conftest import HERE, ROOT
+from conftest import HERE, ROOT, wait_for
 
 from celery_redlock.celery import discarded
 from celery_redlock.celery.settings import app_settings_and_redlock, close_app_redlock
@@ -79,15 +79,6 @@ def tag() -> str:
     return uuid.uuid4().hex[:10]
 
 
-def _wait(predicate: Callable[[], Any], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 @pytest.mark.timeout(90)
 def test_a_marked_message_a_worker_discards_as_unregistered_frees_its_key(
     ends: Any, workers: Workers, tag: str
@@ -96,8 +87,8 @@ def test_a_marked_message_a_worker_discards_as_unregistered_frees_its_key(
     the message: it can never run. The next publish must be published, not handed its id."""
     queue, worker = workers("solo", None, ENDS_OLD_DEPLOY="1")
     first = ends.marked.apply_async((tag,), queue=queue)
-    assert _wait(lambda: first.state == states.FAILURE, 20.0), first.state  # NotRegistered
-    assert _wait(lambda: ends.marked.queued_task_id(tag) is None, 5.0), (
+    assert wait_for(lambda: first.state == states.FAILURE, 20.0), first.state  # NotRegistered
+    assert wait_for(lambda: ends.marked.queued_task_id(tag) is None, 5.0), (
         f"the message {first.id} was discarded (unregistered task), yet its key still names it: "
         f"{ends.marked.queued_task_id(tag)}; log: {worker.log_tail(1500)}"
     )
@@ -113,7 +104,7 @@ def test_a_marked_message_a_worker_rejects_for_its_content_type_frees_its_key(
     rejected before any run: its marker must go with it."""
     queue, worker = workers("solo", None)
     first = ends.marked.apply_async((tag,), queue=queue, serializer="pickle")
-    assert _wait(lambda: ends.marked.queued_task_id(tag) is None, 20.0), (
+    assert wait_for(lambda: ends.marked.queued_task_id(tag) is None, 20.0), (
         f"the message {first.id} was rejected (content type), yet its key still names it: "
         f"{ends.marked.queued_task_id(tag)}; log: {worker.log_tail(1500)}"
     )
@@ -129,12 +120,12 @@ def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
     run as revoked). Its message will never run again: the next publish must be published."""
     queue, _ = workers("threads", 4)
     holder = ends.slow.apply_async((tag, 3.0), queue=queue)
-    assert _wait(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
+    assert wait_for(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
     waiting = ends.marked_wait.apply_async((tag,), queue=queue)
     time.sleep(1.0)  # picked up by a free thread: waiting for the lock
     ends.app.control.revoke(waiting.id)
-    assert _wait(lambda: waiting.state == states.REVOKED, 15.0), waiting.state
-    assert _wait(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
+    assert wait_for(lambda: waiting.state == states.REVOKED, 15.0), waiting.state
+    assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
         f"the waiting run was revoked ({waiting.state}), yet the key still names it: "
         f"{ends.marked_wait.queued_task_id(tag)}; events {ends.events(tag)}"
     )
@@ -153,16 +144,16 @@ def test_a_marked_run_whose_pool_child_is_killed_while_it_waits_frees_its_key(
     the message by lock_enqueue_ttl: the worker's main process deletes it."""
     queue, worker = workers("prefork", 2)
     holder = ends.slow.apply_async((tag, 4.0), queue=queue)
-    assert _wait(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
+    assert wait_for(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
     holder_pid = next(e["pid"] for e in ends.events(tag) if e["event"] == "start")
     waiting = ends.marked_wait.apply_async((tag,), queue=queue)
-    assert _wait(lambda: waiting.state == states.STARTED or len(worker.child_pids()) == 2, 5.0)
+    assert wait_for(lambda: waiting.state == states.STARTED or len(worker.child_pids()) == 2, 5.0)
     time.sleep(1.0)  # picked up by the other child: waiting for the lock
     others = [pid for pid in worker.child_pids() if pid != holder_pid]
     assert len(others) == 1, (holder_pid, worker.child_pids())
     os.kill(others[0], signal.SIGKILL)
-    assert _wait(lambda: waiting.state == states.FAILURE, 20.0), waiting.state
-    assert _wait(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
+    assert wait_for(lambda: waiting.state == states.FAILURE, 20.0), waiting.state
+    assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
         f"the waiting run's child was killed ({waiting.state}: {waiting.result!r}), yet the key "
         f"still names it: {ends.marked_wait.queued_task_id(tag)}"
     )
@@ -178,7 +169,7 @@ def test_a_marked_run_with_a_hard_time_limit_is_not_killed_while_it_waits(
     retries the lock, runs once the key is free, and then frees it."""
     queue, _ = workers("prefork", 2)
     holder = ends.slow.apply_async((tag, 4.0), queue=queue)
-    assert _wait(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
+    assert wait_for(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
     waiting = ends.marked_wait.apply_async((tag,), queue=queue, time_limit=2.0)
     value = waiting.get(timeout=30, propagate=False)
     assert waiting.state == states.SUCCESS, (waiting.state, value)

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from celery_redlock import Redlock
 from celery_redlock.testing import ServerSet
+
+from ..waiting import wait_for as wait_for  # the core tests import it from here
 
 BINARIES = ["embedded"]
 if shutil.which("redis-server"):
@@ -128,16 +130,6 @@ def values_on(masters: ServerSet, key: str) -> dict[str, bytes | None]:
         finally:
             client.close()
     return values
-
-
-def wait_for(predicate: Callable[[], object], timeout: float) -> bool:
-    """Poll ``predicate`` until it holds or ``timeout`` passes; its last answer."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return bool(predicate())
 
 
 def released_everywhere(masters: ServerSet, released: Any, *, key: str | None = None) -> bool:

@@ -25,6 +25,8 @@ from celery.exceptions import Reject
 from celery_redlock import RedlockTask
 from celery_redlock.celery import signals as lock_signals
 
+from ..waiting import wait_for as wait_for  # the review tests import it from here
+
 app = Celery(
     "review",
     broker=os.environ.get("REVIEW_BROKER", "redis://127.0.0.1:1/0"),
@@ -63,16 +65,6 @@ def record(key: str, event: str, **fields: Any) -> None:
 
 def events(key: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in records().lrange(f"rec:{key}", 0, -1)]
-
-
-def wait_for(predicate: Any, timeout: float) -> bool:
-    """Poll ``predicate`` until true or ``timeout``; whether it came true."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @app.task(bind=True, base=RedlockTask, name="review.sleeper", lock_key="r:<key>", lock_contended="fail")

@@ -14,6 +14,8 @@ from celery_redlock import Redlock
 from celery_redlock.lock import masters as master_module
 from celery_redlock.testing import ProxySet, ServerSet
 
+from ..waiting import wait_for
+
 
 def _keys_left(servers: Any, key: str) -> list[int]:
     found = []
@@ -24,15 +26,6 @@ def _keys_left(servers: Any, key: str) -> list[int]:
         finally:
             client.close()
     return found
-
-
-def _wait(predicate: Any, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def test_a_waited_release_a_master_could_not_be_written_is_kept_for_its_next_lin
         assert _keys_left(masters[:1], "redlock:review-kept-waited") == [1]  # not written yet
         proxies.heal()
         healed = time.monotonic()
-        gone = _wait(
+        gone = wait_for(
             lambda: _keys_left(masters[:1], "redlock:review-kept-waited") == [0],
             master_module.BACKOFF_CAP + 3.0,
         )
