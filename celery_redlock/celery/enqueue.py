@@ -84,7 +84,7 @@ from celery.utils import uuid
 
 from .._fork import pid
 from .._validate import number
-from ..errors import AlreadyQueued, ConfigError, LockNotAcquired
+from ..errors import UNANSWERED, AlreadyQueued, ConfigError, LockNotAcquired, name_masters
 from ..lock import markers
 from ..lock.holder import HolderRecord, parse
 from ..lock.markers import side_key
@@ -253,10 +253,11 @@ def apply_async(
             )
             return publish(args, kwargs, task_id=task_id, **options)
         return _duplicate(task, mode, name, task_id, existing)
+    since = time.monotonic() - placed.elapsed  # the placing round's start
     headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
     result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
-    _keep(task, redlock, placed, ttl)
+    _keep(task, redlock, placed, ttl, since)
     return result
 
 
@@ -322,21 +323,36 @@ def _publish_marked(
         raise
 
 
-def _keep(task: Any, redlock: Redlock, placed: markers.Placed, ttl: float) -> None:
-    """The broker has the message: its marker, placed for the publish window, is kept for its
-    full ``ttl`` and marked published (one round, even when the window was the whole TTL: only
-    a published marker answers a duplicate, see _place_settled). Its replies are read, so that a
-    marker that was gone (a publish slower than the window) is said to be."""
+def _keep(task: Any, redlock: Redlock, placed: markers.Placed, ttl: float, since: float) -> None:
+    """The broker has the message: its marker, placed for the publish window at ``since``
+    (monotonic, the placing round's start), is kept for its full ``ttl`` and marked published
+    (one round, even when the window was the whole TTL: only a published marker answers a
+    duplicate, see _place_settled). Its replies are read, so that a marker lost to a publish
+    slower than the window, or to masters not answering, is said to be.
+
+    A quorum that answered without holding the marker while the window still runs is the usual
+    case of a fast worker, not a loss: the run took the marker over (and may have ended since),
+    or a worker discarded the message and dropped it. Nothing is said of it."""
     assert placed.value is not None and placed.key is not None
-    if markers.keep(redlock, placed.key, placed.value, ttl):
+    kept, votes = markers.keep(redlock, placed.key, placed.value, ttl)
+    if kept:
+        return
+    window = min(ttl, PUBLISH_WINDOW)
+    age = time.monotonic() - since
+    unanswered = name_masters(votes, UNANSWERED)
+    if age < window - redlock.drift(window) and len(votes) - len(unanswered) >= redlock.quorum:
+        logger.debug(
+            "task %s: the marker on %s was taken over before its publish returned", task.name, placed.key
+        )
         return
     logger.warning(
-        "task %s: the marker on %s was gone when its publish returned (a publish slower than %g s, "
-        "or masters not answering): the message is queued unmarked, and a duplicate publish of "
-        "it is not refused",
+        "task %s: the marker on %s was gone when its publish returned, %.1f s after it was placed "
+        "for %g s%s: the message is queued unmarked, and a duplicate publish of it is not refused",
         task.name,
         placed.key,
-        PUBLISH_WINDOW,
+        age,
+        window,
+        f" (not answering: {', '.join(unanswered)})" if unanswered else "",
     )
 
 
@@ -483,8 +499,9 @@ def _republish(
         )
         del headers[MARKER_HEADER]
         return publish(args, kwargs, task_id=task_id, **options)
+    since = time.monotonic() - placed.elapsed  # the placing round's start
     result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
-    _keep(task, redlock, placed, ttl)
+    _keep(task, redlock, placed, ttl, since)
     return result
 
 

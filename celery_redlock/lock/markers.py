@@ -158,12 +158,13 @@ def published(value: str) -> str:
     return token + separator + dataclasses.replace(record, published=True).to_text()
 
 
-def keep(redlock: Redlock, key: str, value: str, ttl: float) -> bool:
+def keep(redlock: Redlock, key: str, value: str, ttl: float) -> tuple[bool, list[Vote]]:
     """The work the marker ``value`` on ``key`` was placed for is published: swap it for its
     :func:`published` form with ``ttl`` seconds from now, where it still is (REQUEUE, compared on
-    the whole value: a marker that expired or was taken over is not brought back); True if a
-    quorum did. Until then the marker names work nothing is known to carry."""
-    return hand_back(redlock, key, value, published(value), ttl)
+    the whole value: a marker that expired or was taken over is not brought back); whether a
+    quorum did, and every master's vote (a refusal is a master that no longer holds ``value``).
+    Until then the marker names work nothing is known to carry."""
+    return _requeue(redlock, key, value, published(value), ttl)
 
 
 def drop(redlock: Redlock, name: str, value: str, side: str | None = None) -> None:
@@ -184,10 +185,15 @@ def drop(redlock: Redlock, name: str, value: str, side: str | None = None) -> No
 def hand_back(redlock: Redlock, key: str, token: str, value: str, ttl: float) -> bool:
     """Swap the lock ``token`` holds on ``key`` for the marker ``value`` with ``ttl`` seconds, on
     every master that still holds the token; True if a quorum did."""
+    return _requeue(redlock, key, token, value, ttl)[0]
+
+
+def _requeue(redlock: Redlock, key: str, token: str, value: str, ttl: float) -> tuple[bool, list[Vote]]:
     command = REQUEUE.pack(key, token, value, milliseconds(redlock.check_ttl("ttl", ttl)))
     with redlock._round() as rnd:
         outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)
-    return redlock.tally.votes(outcomes, is_one)[1] >= redlock.quorum
+    votes, swapped = redlock.tally.votes(outcomes, is_one)
+    return swapped >= redlock.quorum, votes
 
 
 class HandoverLock(Lock):

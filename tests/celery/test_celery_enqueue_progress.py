@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import random
 import signal
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery.signals import after_task_publish
 from conftest import HERE, ROOT, RUN, app_env, wait_until
 
 from celery_redlock import is_skipped
@@ -346,6 +348,79 @@ def test_once_the_broker_has_the_message_its_marker_lasts_lock_enqueue_ttl(
     beside = pttls(redlock_masters, side_key(prefix, f"enq:{tag}", "enqueueapp.other"))
     for left in (*on_lock, *beside):
         assert MARKER_TTL * 1000 - 5000 < left <= MARKER_TTL * 1000, (on_lock, beside)
+
+
+@pytest.mark.timeout(60)
+def test_a_run_that_takes_its_marker_over_before_the_publish_returns_is_no_warning(
+    enq: Any, live: CeleryWorker, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fast worker: the run starts (taking the marker over) before the publisher's keep round.
+    Nothing was lost and nothing is queued unmarked: no WARNING (it used to warn of a slow
+    publish on every such run)."""
+    started = threading.Event()
+    mine = str(uuid.uuid4())
+
+    def wait_for_the_run(headers: Any = None, **_: Any) -> None:
+        if (headers or {}).get("id") == mine:
+            started.set()
+            wait_until(lambda: any(r["event"] == "start" for r in runs(enq, tag)), 20, "the run to start")
+
+    after_task_publish.connect(wait_for_the_run, weak=False)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="celery_redlock.enqueue"):
+            result = enq.hold.apply_async((tag, 0.0, tag), task_id=mine)
+    finally:
+        after_task_publish.disconnect(wait_for_the_run)
+    assert started.is_set(), "the publish hook never ran"
+    assert result.get(timeout=30) == tag
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("taken over before its publish returned" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_a_marker_dropped_before_the_publish_returns_is_no_warning_but_one_lost_to_dead_masters_is(
+    enq: Any, redlock_masters: ServerSet, idle: str, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that discards the message drops its marker, perhaps before the publisher's keep
+    round: no WARNING. Masters that stop answering while the message is published lose the
+    marker's keep: a WARNING naming them."""
+    prefix = app_settings_and_redlock(enq.app)[1].key_prefix
+
+    def drop_it(headers: Any = None, **_: Any) -> None:
+        marker = (headers or {}).get(MARKER_HEADER)
+        if marker:
+            for server in redlock_masters:
+                server.client().delete(lock_key(prefix, marker["name"]))
+
+    after_task_publish.connect(drop_it, weak=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_redlock.enqueue"):
+            enq.hold.apply_async((tag, 0.0, tag), queue=idle)
+    finally:
+        after_task_publish.disconnect(drop_it)
+    assert [r.getMessage() for r in caplog.records] == []
+
+    paused = list(redlock_masters)[:3]  # a majority: the keep round cannot reach a quorum
+    again = f"{tag}-again"
+
+    def pause_them(headers: Any = None, **_: Any) -> None:
+        if (headers or {}).get(MARKER_HEADER):
+            for server in paused:
+                server.pause()
+
+    after_task_publish.connect(pause_them, weak=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="celery_redlock.enqueue"):
+            enq.hold.apply_async((again, 0.0, again), queue=idle)
+    finally:
+        after_task_publish.disconnect(pause_them)
+        for server in paused:
+            server.resume()
+    warned = [
+        r.getMessage() for r in caplog.records if "was gone when its publish returned" in r.getMessage()
+    ]
+    assert len(warned) == 1, caplog.records
+    assert all(server.address in warned[0] for server in paused), warned[0]
 
 
 # -- 3. the operators' tools: queued is not dead -------------------------------------------------

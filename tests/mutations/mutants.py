@@ -692,4 +692,22 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "keep_refusal_always_warns",
+        "every refused keep round warns of a slow publish, a fast worker's takeover included",
+        (
+            "tests/celery/test_celery_enqueue_progress.py::"
+            "test_a_run_that_takes_its_marker_over_before_the_publish_returns_is_no_warning",
+        ),
+        (Edit(ENQUEUE, "    if age < window - redlock.drift(window) and", "    if False and"),),
+    ),
+    Mutant(
+        "keep_unanswered_taken_for_takeover",
+        "a keep round that masters did not answer is taken for a takeover and not warned of",
+        (
+            "tests/celery/test_celery_enqueue_progress.py::"
+            "test_a_marker_dropped_before_the_publish_returns_is_no_warning_but_one_lost_to_dead_masters_is",
+        ),
+        (Edit(ENQUEUE, " and len(votes) - len(unanswered) >= redlock.quorum:", ":"),),
+    ),
 )
