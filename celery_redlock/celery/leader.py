@@ -30,7 +30,6 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,6 +39,9 @@ from ..errors import ConfigError
 from ..lock.heartbeat import process_heartbeat
 from ..lock.redlock import Redlock
 from ..lock.resource import Lock, lock_key
+from ..ops.leader import LEADER_SUFFIX as LEADER_SUFFIX
+from ..ops.leader import read_leader as read_leader
+from ..ops.leader import record_key as _record_key
 from .beatconf import BeatSettings
 from .catchup import RECORD_FIELD, CatchUp
 from .settings import read_settings, refuse_unknown_settings
@@ -60,8 +62,6 @@ beat_leader_lost.__doc__ = (
     "Sent by a RedlockScheduler that stopped dispatching: its lock was lost, or it shut down."
 )
 
-LEADER_SUFFIX = ":leader"
-
 
 def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
     """A Redlock of the beat's own over the app's ``redlock_*`` settings (masters, timeouts,
@@ -72,23 +72,6 @@ def leader_redlock(conf: Mapping[str, Any]) -> Redlock:
         return settings.redlock()
     except ConfigError as exc:
         raise ConfigError(f"redlock_{exc}") from None
-
-
-def _record_key(redlock: Redlock, lock_name: str) -> str:
-    """Where the leader record of the lock ``lock_name`` is kept: beside the lock's own key."""
-    return lock_key(redlock.key_prefix, lock_name) + LEADER_SUFFIX
-
-
-def read_leader(redlock: Redlock, lock_name: str) -> dict[str, Any] | None:
-    """The current leader's record (hostname, pid, since, ...), if a quorum of masters agrees."""
-    counts = Counter(v for v in redlock.read_everywhere(_record_key(redlock, lock_name)) if v is not None)
-    if not counts:
-        return None
-    value, votes = counts.most_common(1)[0]
-    if votes < redlock.quorum:
-        return None
-    record: dict[str, Any] = json.loads(value)
-    return record
 
 
 class LeaderLock(Lock):

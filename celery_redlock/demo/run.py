@@ -11,7 +11,6 @@ Every process it starts is stopped by pid (and process group) on the way out, Ct
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import random
@@ -22,7 +21,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -246,64 +244,8 @@ def _kill_one(masters: ServerSet | None, rng: random.Random, console: Console) -
     return victim.address
 
 
-def _urls(text: str) -> list[str]:
-    urls = [u.strip() for u in text.split(",") if u.strip()]
-    if not urls:
-        raise argparse.ArgumentTypeError("expected comma-separated redis:// URLs")
-    return urls
-
-
-def _positive(kind: type[Any]) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--masters",
-        type=_urls,
-        help="real lock masters: comma-separated redis URLs (default: 5 embedded servers)",
-    )
-    parser.add_argument("--broker", help="a real broker URL (default: an embedded Redis-compatible server)")
-    parser.add_argument("--workers", type=_positive(int), default=2, help="worker processes (default 2)")
-    parser.add_argument(
-        "--concurrency", type=_positive(int), default=2, help="prefork pool size per worker (default 2)"
-    )
-    parser.add_argument("--tasks", type=_positive(int), default=300, help="calls to submit (default 300)")
-    parser.add_argument(
-        "--invoices",
-        type=_positive(int),
-        default=30,
-        help="distinct invoices they are spread over (default 30)",
-    )
-    parser.add_argument(
-        "--work", type=_positive(float), default=0.05, help="seconds one charge takes (default 0.05)"
-    )
-    parser.add_argument(
-        "--contended",
-        choices=["retry", "skip"],
-        default="retry",
-        help="what a duplicate does while its invoice is locked (default retry)",
-    )
-    parser.add_argument(
-        "--no-kill", dest="kill_master", action="store_false", help="do not kill a master half-way"
-    )
-    parser.add_argument(
-        "--deadline",
-        type=_positive(float),
-        default=45.0,
-        help="seconds the burst may take before the demo gives up (default 45)",
-    )
-    parser.add_argument("--seed", type=int, help="random seed for the burst and the master killed")
-
-
-def main(args: argparse.Namespace) -> int:
-    options = DemoOptions(**{k: v for k, v in vars(args).items() if k in DemoOptions.__dataclass_fields__})
+def main(options: DemoOptions) -> int:
+    """Run the demo with ``options`` (``celery-redlock demo``'s, :mod:`.command`); its exit status."""
     console = Console(highlight=False)
     with _signals_interrupt():
         try:

@@ -80,7 +80,8 @@ class Health:
     """The fleet's health. ``status``: ``ok`` (every master sound, nothing to warn of),
     ``degraded`` (a quorum is sound but some master has an error or a warning: fewer failures
     can be tolerated, or a lock may be dropped) or ``unsafe`` (fewer than a quorum are sound: no
-    lock can be taken). ``exit_code`` is 0, 1, 2 for these."""
+    lock can be taken). ``exit_code`` is 0, 1, 3 for these: the operators' commands' exit
+    statuses (see docs/cli.md; 2 is a usage error there)."""
 
     masters: tuple[MasterHealth, ...]
     quorum: int
@@ -99,7 +100,7 @@ class Health:
 
     @property
     def exit_code(self) -> int:
-        return {"ok": 0, "degraded": 1, "unsafe": 2}[self.status]
+        return {"ok": 0, "degraded": 1, "unsafe": 3}[self.status]
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -155,7 +156,7 @@ def health(redlock: Redlock, *, timeout: float = DEFAULT_TIMEOUT) -> Health:
     median = statistics.median(offsets) if offsets else 0.0
     result = []
     for i, name in enumerate(names):
-        result.append(_master_health(name, replies[i], times[i], median, redlock.request_timeout))
+        result.append(_master_health(name, replies[i], times[i], median, redlock.request_timeout, timeout))
     return Health(tuple(result), redlock.quorum)
 
 
@@ -189,13 +190,14 @@ def _master_health(
     timing: tuple[float, float, float] | None,
     median_offset: float,
     request_timeout: float,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> MasterHealth:
     """One master's state from its replies to :func:`health`'s batch (in the batch's order)
     and its TIME (see :func:`_clocks`), with the findings against it, in the order of the
     checks below."""
     server_info = _ok(replies[0])
     if server_info is None or timing is None:
-        return _unreachable(name, replies[0] if server_info is None else None)
+        return _unreachable(name, replies[0] if server_info is None else None, timeout)
     server = _info(server_info)
     kind = server.get("server_name", "redis")
     role = _section(replies[1]).get("role")
@@ -229,9 +231,16 @@ def _master_health(
     )
 
 
-def _unreachable(name: str, outcome: Outcome | None) -> MasterHealth:
-    """A master that did not answer INFO (``outcome``), or did but not TIME (None)."""
-    why = outcome.detail or outcome.kind if outcome is not None else "TIME not answered"
+def _unreachable(name: str, outcome: Outcome | None, timeout: float) -> MasterHealth:
+    """A master that did not answer INFO (``outcome``), or did but not TIME (None). A reply
+    that did not come says how long this check waited for it (``timeout``), not the lock's
+    request_timeout: that is what the operator chose and saw pass."""
+    if outcome is None:
+        why = f"TIME not answered within {timeout:g} s"
+    elif outcome.kind == "timeout":
+        why = f"no reply within {timeout:g} s"
+    else:
+        why = outcome.detail or outcome.kind
     return MasterHealth(name, False, findings=(Finding("error", f"unreachable: {why}"),))
 
 

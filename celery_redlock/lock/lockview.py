@@ -289,11 +289,14 @@ def _glob_escape(text: str) -> str:
 class Listing:
     """What :func:`list_locks` found: ``locks`` held on a quorum (or on any master, with
     ``partial=True``), by name; ``complete`` is False when the scan stopped at its bound or a
-    master did not answer it (``errors``: master -> why)."""
+    master did not answer it (``errors``: master -> why). ``stopped_at`` says which bound ended
+    the scan before every master's had run to its end: ``"limit"`` (``limit`` keys found) or
+    ``"steps"`` (MAX_SCAN_STEPS steps on some master); None when none did."""
 
     locks: tuple[LockView, ...]
     complete: bool
     errors: dict[str, str]
+    stopped_at: Literal["limit", "steps"] | None = None
 
 
 def list_locks(
@@ -321,7 +324,12 @@ def list_locks(
             scan.take(rnd.call(scan.commands(), timeout))
     keys = sorted(scan.candidates)[:limit]
     views = [view for view in _inspect(redlock, keys, timeout) if _listed(view, partial)]
-    return Listing(tuple(views), scan.complete() and len(scan.candidates) <= limit, scan.errors)
+    stopped_at: Literal["limit", "steps"] | None = None
+    if len(scan.candidates) > limit or (scan.running() and len(scan.candidates) >= limit):
+        stopped_at = "limit"
+    elif scan.running():
+        stopped_at = "steps"
+    return Listing(tuple(views), scan.complete() and len(scan.candidates) <= limit, scan.errors, stopped_at)
 
 
 class _Scan:

@@ -75,7 +75,7 @@ def force_release(
         outcomes = rnd.call([command] * len(redlock.masters), timeout)
     deleted = sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
     by = by or operator_identity()
-    holder = view.holder.describe(view.read_at) if view.holder is not None else "?"
+    holder = view.describe_holder() or "?"  # a label of one's own is named too, not only a record
     logger.warning(
         "force-released %s (token %s..., held by %s) on %d of %d masters, by %s",
         view.key,

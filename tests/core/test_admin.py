@@ -313,4 +313,4 @@ def test_health_of_a_fleet_with_masters_down(masters: ServerSet, rl: Redlock) ->
     started = time.monotonic()
     report = admin.health(rl, timeout=0.3)
     assert time.monotonic() - started < 3.0  # bounded by the timeout, per round
-    assert report.sound == 2 and report.status == "unsafe" and report.exit_code == 2
+    assert report.sound == 2 and report.status == "unsafe" and report.exit_code == 3

@@ -175,9 +175,9 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
     ("args", "message"),
     [
         (["--tasks", "5", "--invoices", "10"], "--tasks (5) must be at least --invoices (10)"),
-        (["--workers", "0"], "must be > 0"),
-        (["--masters", ","], "expected comma-separated redis:// URLs"),
-        (["--contended", "wait"], "invalid choice: 'wait'"),
+        (["--workers", "0"], "Invalid value for '--workers': 0 is not in the range x>=1"),
+        (["--masters", ","], "Invalid value for '--masters': no master URL in ','"),
+        (["--contended", "wait"], "Invalid value for '--contended': 'wait' is not one of 'retry', 'skip'"),
     ],
 )
 def test_demo_rejects_bad_options_by_name(args: list[str], message: str) -> None:

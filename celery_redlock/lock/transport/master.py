@@ -503,9 +503,12 @@ class Master:
                     b"".join(map(wire.pack, [*commands, *loads])), len(commands) + len(loads), deadline
                 )
             except RedisTimeoutError:
+                # Say the seconds: a caller that waited longer for its round (an operator's
+                # --timeout) sees why the connect itself gave up sooner.
                 raise Silent(
-                    "accepted the connection and did not answer within request_timeout (a paused "
-                    "or overloaded server, or no Redis server)"
+                    f"accepted the connection and did not answer within {remaining:.2f} s (a "
+                    f"connect's bound: request_timeout, {self._request_timeout:g} s; a paused or "
+                    "overloaded server, or no Redis server)"
                 ) from None
             replies, loaded = replies[: len(commands)], replies[len(commands) :]
             for command, reply in zip(commands, replies, strict=True):

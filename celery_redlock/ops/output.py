@@ -1,0 +1,54 @@
+"""Where the operators' commands write: the only writer of this package (the library itself
+logs, it never prints).
+
+Human output goes to stdout and warnings to stderr. With ``--json`` stdout carries exactly one
+JSON document, so ``| jq`` always parses; everything else (progress, the confirmation prompt)
+goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+
+class Output:
+    """One command's writer; ``as_json`` chooses the JSON document over the human lines."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+
+    def line(self, text: str = "") -> None:
+        """A line of the human output (stderr under ``--json``: stdout is the document's)."""
+        click.echo(text, err=self.as_json)
+
+    def warn(self, text: str) -> None:
+        click.echo(f"warning: {text}", err=True)
+
+    def fail(self, text: str) -> None:
+        """Why the command did not do what was asked (stderr, as a usage error's message)."""
+        click.echo(text, err=True)
+
+    def document(self, data: Any) -> None:
+        """The ``--json`` answer; written only under ``--json``."""
+        if self.as_json:
+            click.echo(json.dumps(data))
+
+    def table(self, header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
+        widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+        for row in (header, *rows):
+            cells = (str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+            self.line("  ".join(cells).rstrip())
+
+    def confirm(self, question: str) -> bool:
+        """Ask ``question``; False when declined. The prompt goes where the human output goes,
+        and its line is ended even when the answer came from a pipe (which echoes nothing), so
+        whatever is written next (a log line on stderr) starts on a line of its own."""
+        answer = click.confirm(question, default=False, err=self.as_json)
+        if not sys.stdin.isatty():
+            click.echo("", err=self.as_json)
+        return answer
