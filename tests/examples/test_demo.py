@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from celery_redlock.demo.ledger import LedgerReader, LedgerWriter, summarize
-from celery_redlock.demo.run import burst
+from celery_redlock.demo.run import burst, headline, plan, story
 
 from .procs import printed_pids, survivors
 
@@ -40,8 +40,16 @@ def _assert_nothing_left(output: str, expected: int) -> None:
     assert survivors(pids) == []
 
 
+WAYS = (
+    "· charged the invoice",
+    "· deduplicated at enqueue",
+    "· skipped: invoice locked",
+    "· found it already charged",
+)
+
+
 @pytest.mark.timeout(150)
-def test_demo_runs_a_duplicate_burst_without_overlap_through_a_master_kill() -> None:
+def test_demo_charges_each_invoice_once_through_a_duplicate_burst_and_a_master_kill() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "celery_redlock", "demo", "--tasks", "200", "--invoices", "20", "--seed", "7"],
         cwd=tempfile.gettempdir(),
@@ -52,13 +60,21 @@ def test_demo_runs_a_duplicate_burst_without_overlap_through_a_master_kill() -> 
     )
     out = result.stdout + result.stderr
     assert result.returncode == 0, out
-    assert _row(out, "tasks submitted") == "200"
-    assert _row(out, "tasks finished") == "200"
-    assert _row(out, "bodies run") == "200"  # retry policy: every duplicate runs, in turn
-    assert int(_row(out, "duplicates that waited (retried)")) > 0
+    assert _row(out, "charge calls submitted") == "200"
+    charged, deduplicated, skipped, already = (int(_row(out, way)) for way in WAYS)
+    assert charged == 20  # each invoice once
+    assert charged + deduplicated + skipped + already == 200  # every call ended one of the ways
+    assert deduplicated > 0  # copies close together: handed the queued call's task id
+    assert already > 0  # copies that came later: the body found the invoice charged
+    assert _row(out, "· lost") == "0"
+    assert _row(out, "invoices charged exactly once") == "20 of 20"
     assert _row(out, "overlaps found by the checker") == "0"
+    assert int(_row(out, "bodies run under the lock")) == charged + already
     assert re.fullmatch(r"127\.0\.0\.1:\d+", _row(out, "master killed mid-burst"))
     assert re.fullmatch(r"\d+\.\d ms", _row(out, "lock acquire latency p99"))
+    assert "200 charge calls, 20 of 20 invoices charged exactly once, 0 calls lost, 0 overlaps" in out
+    assert re.search(r"^what the \d+ calls of invoice \d+ saw:$", out, re.M)
+    assert re.search(r"^  1 call charged it \(task [0-9a-f]{8}\)$", out, re.M)
     _assert_nothing_left(out, expected=8)
 
 
@@ -103,26 +119,83 @@ def test_ctrl_c_stops_every_process_the_demo_started() -> None:
     _assert_nothing_left(out, expected=8)
 
 
+def _sent(writer: LedgerWriter, task_id: str, invoice: int, existing: str | None = None) -> None:
+    writer.write("sent", task_id=task_id, invoice=invoice, via="app", existing=existing)
+
+
 def test_the_summary_counts_each_event_and_names_the_overlapping_runs(tmp_path: Path) -> None:
     writer = LedgerWriter(tmp_path)
     runs = [
-        ("a", "invoice:1", 0.0, 1.0),
-        ("b", "invoice:1", 1.0, 2.0),  # back to back: fine
-        ("c", "invoice:1", 1.5, 1.7),  # inside b: overlap
-        ("d", "invoice:2", 0.5, 1.5),
+        ("a", "invoice:1", 0.0, 1.0, "charged"),
+        ("b", "invoice:1", 1.0, 2.0, "already"),  # back to back: fine
+        ("c", "invoice:1", 1.5, 1.7, "already"),  # inside b: overlap
+        ("d", "invoice:2", 0.5, 1.5, "charged"),
     ]  # other resource
-    for task_id, resource, start, end in runs:
-        writer.write("run", task_id=task_id, resource=resource, start=start, end=end, acquire=0.001)
+    for task_id, resource, start, end, outcome in runs:
+        _sent(writer, task_id, int(resource.split(":")[1]))
+        writer.write(
+            "run",
+            task_id=task_id,
+            resource=resource,
+            start=start,
+            end=end,
+            acquire=0.001,
+            outcome=outcome,
+            charged_by="a" if resource == "invoice:1" else "d",
+        )
         writer.write("done", task_id=task_id, state="SUCCESS")
+    _sent(writer, "e", 2)
     writer.write("retry", task_id="e")
     writer.write("done", task_id="e", state="RETRY")
-    writer.write("done", task_id="e", state="SUCCESS")  # the retried run ended without a body
+    writer.write("done", task_id="e", state="SUCCESS", holder="d", reason="held by another run")
+    _sent(writer, "f", 1, existing="a")  # deduplicated at enqueue
     reader = LedgerReader(tmp_path)
     reader.poll()
-    summary = summarize(reader, submitted=5)
+    summary = summarize(reader, submitted=6)
     assert [(a.task_id, b.task_id) for a, b in summary.overlaps] == [("b", "c")]
-    assert (summary.finished, summary.ran, summary.waited, summary.skipped) == (5, 4, 1, 1)
+    assert (summary.finished, summary.ran, summary.waited, summary.skipped) == (6, 4, 1, 1)
+    assert summary.ended == {
+        "a": "charged",
+        "b": "already",
+        "c": "already",
+        "d": "charged",
+        "e": "skipped",
+        "f": "deduplicated",
+    }
+    assert (summary.charges, summary.charged_once, summary.lost) == ({1: 1, 2: 1}, 2, 0)
+    assert not summary.ok  # the overlap
+    assert story(summary, reader) == [  # the invoice whose calls ended the most ways
+        "what the 4 calls of invoice 1 saw:",
+        "  1 call charged it (task a)",
+        "  1 call deduplicated at enqueue: handed task a, queued or running",
+        "  2 calls found it already charged by task a",
+    ]
+
+
+def test_the_verdict_fails_on_a_double_charge_or_a_call_that_ended_no_accounted_way(tmp_path: Path) -> None:
+    writer = LedgerWriter(tmp_path)
+    for task_id, start in (("a", 0.0), ("b", 1.0)):  # one after the other, both charged invoice 1
+        _sent(writer, task_id, 1)
+        writer.write("run", task_id=task_id, resource="invoice:1", start=start, end=start + 0.5, acquire=0.0)
+        writer.write("done", task_id=task_id, state="SUCCESS")
+    _sent(writer, "c", 2, existing="a")  # handed a call of another invoice
+    _sent(writer, "d", 2)
+    writer.write("done", task_id="d", state="SUCCESS", holder="a", reason="held by another run")  # ditto
+    _sent(writer, "e", 2)
+    writer.write("done", task_id="e", state="FAILURE")
+    _sent(writer, "f", 2)  # never ended
+    reader = LedgerReader(tmp_path)
+    reader.poll()
+    summary = summarize(reader, submitted=7)  # and one call never even recorded as sent
+    assert summary.overlaps == []
+    assert summary.charges == {1: 2, 2: 0}
+    assert summary.charged_once == 0
+    assert [summary.ended[t] for t in "cdef"] == ["unexplained", "unexplained", "failed", "unfinished"]
+    assert summary.lost == 5
     assert not summary.ok
+    assert (
+        headline(summary) == "7 charge calls, 0 of 2 invoices charged exactly once, 5 calls lost, 0 overlaps"
+    )
 
 
 def test_burst_holds_every_invoice_and_clusters_duplicates() -> None:
@@ -133,6 +206,16 @@ def test_burst_holds_every_invoice_and_clusters_duplicates() -> None:
     assert sorted(ids) == sorted(i % 30 + 1 for i in range(300))
     adjacent = sum(1 for a, b in itertools.pairwise(ids) if a == b)
     assert adjacent > 50  # copies of one call arrive close together, as duplicates do
+
+
+def test_plan_sends_a_fraction_of_the_clusters_by_name() -> None:
+    import random
+
+    clusters = plan(300, 30, random.Random(1), by_name=0.25)
+    assert sum(c.copies for c in clusters) == 300
+    by_name = sum(1 for c in clusters if c.via == "name")
+    assert 0.1 * len(clusters) < by_name < 0.4 * len(clusters)
+    assert all(c.via == "app" for c in plan(300, 30, random.Random(1)))
 
 
 @pytest.mark.timeout(120)
@@ -156,6 +239,8 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
                 "8",
                 "--work",
                 "0.02",
+                "--contended",
+                "retry",
             ],
             cwd=tempfile.gettempdir(),
             capture_output=True,
@@ -167,7 +252,10 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
     assert result.returncode == 0, out
     assert "real masters given: not killing one" in out
     assert not re.search(r"^(master|broker) ", out, re.M)  # started none of its own
-    assert _row(out, "bodies run") == "40"
+    assert _row(out, "· charged the invoice") == "8"
+    assert _row(out, "· skipped: invoice locked") == "0"  # retry: a locked call waits its turn
+    assert _row(out, "invoices charged exactly once") == "8 of 8"
+    assert _row(out, "· lost") == "0"
     _assert_nothing_left(out, expected=2)
 
 
@@ -177,7 +265,9 @@ def test_demo_uses_the_masters_and_broker_it_is_given(redlock_master_urls: list[
         (["--tasks", "5", "--invoices", "10"], "--tasks (5) must be at least --invoices (10)"),
         (["--workers", "0"], "Invalid value for '--workers': 0 is not in the range x>=1"),
         (["--masters", ","], "Invalid value for '--masters': no master URL in ','"),
-        (["--contended", "wait"], "Invalid value for '--contended': 'wait' is not one of 'retry', 'skip'"),
+        (["--contended", "wait"], "Invalid value for '--contended': 'wait' is not one of 'skip', 'retry'"),
+        (["--by-name", "1.5"], "Invalid value for '--by-name': 1.5 is not in the range 0<=x<=1"),
+        (["--spread", "0"], "Invalid value for '--spread': 0.0 is not in the range x>0"),
     ],
 )
 def test_demo_rejects_bad_options_by_name(args: list[str], message: str) -> None:
