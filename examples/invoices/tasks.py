@@ -42,15 +42,26 @@ def db() -> sqlite3.Connection:
     return conn
 
 
-@app.task(base=RedlockTask, lock_key="invoice:<invoice_id>", lock_contended="retry")
-def charge_invoice(invoice_id: int) -> str:
+def is_paid(invoice_id: int) -> bool:
     with db() as conn:
         row = conn.execute("SELECT status FROM invoices WHERE id = ?", (invoice_id,)).fetchone()
-        if row is not None and row[0] == "paid":
-            return "already paid"
-        time.sleep(0.05)  # the payment provider's round trip: a second charge would go through
+    return row is not None and row[0] == "paid"
+
+
+def charge(invoice_id: int) -> None:
+    time.sleep(0.05)  # the payment provider's round trip: a second charge would go through
+    with db() as conn:
         conn.execute("INSERT INTO charges VALUES (?, ?)", (invoice_id, os.getpid()))
         conn.execute("INSERT OR REPLACE INTO invoices VALUES (?, 'paid')", (invoice_id,))
+
+
+# bind=True makes the task's first argument `self`, the task, so the body can reach its lock.
+@app.task(bind=True, base=RedlockTask, lock_key="invoice:<invoice_id>", lock_contended="retry")
+def charge_invoice(self: RedlockTask, invoice_id: int) -> str:
+    if is_paid(invoice_id):
+        return "already paid"
+    self.redlock.ensure()  # raises LockLost if the lock is no longer held: never charge then
+    charge(invoice_id)
     return "charged"
 
 

@@ -41,7 +41,7 @@ def settings_for(database: str) -> dict[str, Any]:
 globals().update(settings_for(os.environ.get("BEAT_TEST_PG_DB", "postgres")))
 
 # The Celery settings of a Django project, read by app.config_from_object("django.conf:settings",
-# namespace="CELERY"); the README's django-celery-beat snippet is an excerpt of these lines, and
+# namespace="CELERY"); docs/beat.md's django-celery-beat snippet is an excerpt of these lines, and
 # the beats of test_beat_django.py run with them (celery_settings() below).
 CELERY_BEAT_SCHEDULER = "celery_redlock.beat:RedlockScheduler"
 CELERY_REDLOCK_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"

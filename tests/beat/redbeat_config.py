@@ -1,6 +1,6 @@
 """A Celery configuration module (``app.config_from_object``) for RedlockScheduler over redbeat.
 
-The README's redbeat snippet is an excerpt of it; the beats of test_beat_redbeat.py run with these
+docs/beat.md's redbeat snippet is an excerpt of it; the beats of test_beat_redbeat.py run with these
 settings, with the URL of the tests' own Redis in place of the one below.
 """
 
