@@ -14,7 +14,7 @@ from ..lock.holder import parse
 from ..lock.reentrant import ReentrantLock
 from ..lock.resource import Lock
 from . import enqueue, signals
-from .hooks import PUBLISH_ID_HEADER
+from .hooks import PUBLISH_ID_HEADER, worker_time_limits
 from .lockoptions import LockOptions
 from .runholder import header, holder_task, naming_holder, same_publish
 from .runstate import RunState
@@ -28,7 +28,9 @@ logger = logging.getLogger("celery_redlock.task")
 # before it fails naming them: a test or a script is better told at once than made to hang.
 EAGER_UNAVAILABLE_WAIT = 2.0
 ATTEMPT_HEADER = "redlock_attempt"
-# What a wait for the lock leaves before the run's hard time limit (see _wait_cap).
+# What a wait for the lock leaves before the run's hard time limit, besides two rounds to the
+# masters (the wait's last attempt may end a request timeout late; asking for the holder and
+# publishing the lock retry follow it): see _wait_cap.
 HARD_LIMIT_MARGIN = 1.0
 
 
@@ -48,7 +50,7 @@ def contended(
     attempt = int(header(request, ATTEMPT_HEADER) or 0)
     policy = options.contended
     if policy == "wait" and error.contended:
-        if wait(task, task_id, lock, options):
+        if wait(task, task_id, lock, options, started):
             task._redlock_hold(run, lock, task_id, options, started)
             return
         # Not freed in time (or revoked): the wait was one attempt, and the retry policy
@@ -151,16 +153,17 @@ def _decide_by_holder(
     return decision
 
 
-def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOptions) -> bool:
+def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOptions, started: float) -> bool:
     """Wait in this worker for the lock, woken by its release, up to ``lock_wait_timeout``;
     True once held. Capped so that neither time limit fires inside the wait (see
-    :func:`_time_limit`); ended early when the worker process learns the task was revoked (not
-    under prefork without terminate: the child never sees the revoked set, so it waits out its
+    :func:`_wait_cap`; the limits run from the run's start, ``started``, monotonic, before its
+    first attempt); ended early when the worker process learns the task was revoked (not under
+    prefork without terminate: the child never sees the revoked set, so it waits out its
     timeout as a running body would)."""
     timeout = options.wait_timeout
     cap = _wait_cap(task, lock.redlock.request_timeout)
     if cap is not None:
-        timeout = min(timeout, cap)
+        timeout = max(0.0, min(timeout, cap - (time.monotonic() - started)))
     if getattr(task.request, "is_eager", False):
         timeout = min(timeout, options.ttl)  # an eager run gives up within one TTL in all
     from celery.worker import state as worker_state  # the worker's own, in this process
@@ -190,26 +193,30 @@ def wait(task: Task, task_id: str, lock: Lock | ReentrantLock, options: LockOpti
 
 
 def _wait_cap(task: Task, request_timeout: float) -> float | None:
-    """How long a wait for the lock may last within this run's time limits (the call's, else
-    the task's, else the app's); None when it has neither.
+    """How long, from the run's start, a wait for the lock may last within this run's time
+    limits (the call's, else the task's, else the worker's own, else the app's); None when it
+    has none.
 
     INVARIANT (a marker lasts no longer than its message): a wait ends before either limit
     fires. A soft limit raised inside it would fail the run as a body's exception would; a hard
     limit kills the pool child, which then runs nothing of its own again, so a run still waiting
     (its message's marker not yet taken over) could neither delete the marker nor publish its
     lock retry (the worker's main process deletes the marker, see :mod:`.discarded`, but the
-    work is lost). The hard limit leaves :data:`HARD_LIMIT_MARGIN` for what follows a wait that
-    failed (asking for the holder, publishing the lock retry)."""
+    work is lost). The hard limit leaves :data:`HARD_LIMIT_MARGIN` and two rounds for what
+    follows a wait that failed (its last attempt, asking for the holder, publishing the lock
+    retry), the soft limit one round (the last attempt)."""
     limits = getattr(task.request, "timelimit", None) or (None, None)
-    hard = limits[0] or getattr(task, "time_limit", None) or task.app.conf.task_time_limit
+    worker_hard, worker_soft = worker_time_limits()
+    hard = limits[0] or getattr(task, "time_limit", None) or worker_hard or task.app.conf.task_time_limit
     soft = (
         (limits[1] if len(limits) > 1 else None)
         or getattr(task, "soft_time_limit", None)
+        or worker_soft
         or task.app.conf.task_soft_time_limit  # the pool's default, app-wide
     )
     caps = [
         float(limit) - margin
-        for limit, margin in ((hard, HARD_LIMIT_MARGIN), (soft, request_timeout))
+        for limit, margin in ((hard, HARD_LIMIT_MARGIN + 2 * request_timeout), (soft, request_timeout))
         if limit
     ]
     return max(0.0, min(caps)) if caps else None

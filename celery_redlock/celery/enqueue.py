@@ -116,6 +116,9 @@ FINISHING_WAIT = 1.0
 # for a publish, with its connect, to reach a broker; short enough that the marker of a publisher
 # that died before its publish refuses the key for seconds, not for lock_enqueue_ttl.
 PUBLISH_WINDOW = 5.0
+# How many publish windows a call waits for markers whose publish has not returned (each a new
+# publisher's, placed as the last one's went) before it is refused (see _place_settled).
+PENDING_WINDOWS = 3
 _HOST = socket.gethostname()
 
 
@@ -240,6 +243,9 @@ def apply_async(
         return publish(args, kwargs, task_id=task_id, **options)
     headers, value = _new_marker(task, task_id, ttl, options)
     placed = _place_settled(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
+    # Placing may have waited out other publishes: the marker's TTL is counted from now (its
+    # ``expires`` is a time, not a length), and never below what a marker can be placed for.
+    ttl = max(marker_ttl(task, settings, options), redlock.min_ttl)
     if isinstance(placed, Existing):
         existing = placed.task_id
         if any(options.get(option) is not None for option in CANVAS_OPTIONS):
@@ -279,12 +285,24 @@ def _place_settled(
     published, or a run: not against a marker whose publish has not returned (it may never be
     published), nor a run whose result is already stored while its lock is on its way out."""
     placed = _place(task, redlock, name, value, ttl)
-    if isinstance(placed, Existing) and placed.pending:
+    window = PUBLISH_WINDOW + redlock.request_timeout
+    for _ in range(PENDING_WINDOWS):
+        if not (isinstance(placed, Existing) and placed.pending):
+            break
         # Handed that id, this call would run only if that publish succeeds. Wait (bounded by
         # the marker's window, which began before this call saw it, and one round to see it
-        # gone) until it is published, or gone (then this call places its own).
-        window = PUBLISH_WINDOW + redlock.request_timeout
+        # gone) until it is published, or gone (then this call places its own). A marker that
+        # outlives the window is another publisher's, placed as the first went: its own window.
         placed = _wait_out(task, redlock, name, value, ttl, placed, window, lambda found: not found.pending)
+    if isinstance(placed, Existing) and placed.pending:
+        # INVARIANT (only a published message answers a duplicate): refused, the caller knows.
+        raise LockNotAcquired(
+            name,
+            attempts=PLACE_ATTEMPTS,
+            quorum=redlock.quorum,
+            holder=f"the marker of {task.name}[{placed.task_id}], whose publish has not returned "
+            f"after {PENDING_WINDOWS} windows of {PUBLISH_WINDOW:g} s",
+        )
     # A finished run's lock is released within ms, unless it is left to expire (on_expiry, a
     # rate limit): then the key stays taken, and the duplicate is one at once.
     if (

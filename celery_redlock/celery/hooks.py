@@ -84,6 +84,24 @@ def prepare_child(**_: Any) -> None:
         app_settings_and_redlock(current_app)
 
 
+# The worker this process runs in, noted at ``worker_init`` in its main process (forked pool
+# children inherit it): its time limits can come from its command line (``--time-limit``), which
+# puts them on the worker, not in app.conf. Read when a run needs them (see contend._wait_cap);
+# the worker sets them after ``worker_init``.
+_worker: Any = None
+
+
+def note_worker(sender: Any = None, **_: Any) -> None:
+    global _worker
+    _worker = sender
+
+
+def worker_time_limits() -> tuple[float | None, float | None]:
+    """The (hard, soft) time limits of the worker this process runs in, as its pool applies
+    them to a run whose message names none; (None, None) outside a worker."""
+    return getattr(_worker, "time_limit", None), getattr(_worker, "soft_time_limit", None)
+
+
 def start_metrics(**kwargs: Any) -> None:
     from . import metrics
 
@@ -108,6 +126,7 @@ _HOOKS = (
     (celery_signals.worker_process_init, prepare_child),
     (celery_signals.worker_process_shutdown, release_at_shutdown),
     (celery_signals.worker_shutdown, release_at_shutdown),
+    (celery_signals.worker_init, note_worker),
     (celery_signals.worker_init, start_metrics),
     (celery_signals.worker_shutdown, stop_metrics),
 )

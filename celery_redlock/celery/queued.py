@@ -40,7 +40,9 @@ def marker_ttl(task: Any, settings: RedlockSettings, options: Mapping[str, Any])
     countdown = options.get("countdown")
     delay = float(countdown) if countdown is not None else _seconds_until(options.get("eta"))
     ttl = float(base) + max(0.0, delay or 0.0)
-    expires = options.get("expires")
+    # The call's, else the task's own (Celery merges it into the message later; an explicit
+    # None in the call clears it, as Celery reads it).
+    expires = options["expires"] if "expires" in options else getattr(task, "expires", None)
     # A number is seconds from now (as Celery reads it, not from the countdown); else a time.
     left = float(expires) if isinstance(expires, int | float) else _seconds_until(expires)
     return ttl if left is None else min(ttl, left)

@@ -48,6 +48,10 @@ ENQUEUE_LOST = "tests/celery/test_celery_enqueue_lost.py"
 HOOKS = "celery_redlock/celery/hooks.py"
 MARKER_ENDS = "tests/celery/test_celery_marker_ends.py"
 WARNINGS = "tests/celery/test_celery_warnings_name_masters.py"
+R24_EXPIRES = "tests/review24c/test_review24c_expires.py"
+R24_ENDS = "tests/review24c/test_review24c_ends.py"
+R24_HEARTBEAT = "tests/review24c/test_review24c_heartbeat.py"
+R24_SLOW = "tests/review24c/test_review24c_slow_masters.py"
 
 # The counter's reading, max(counter, clock in us), taken in a step of its own before the SET:
 # what FENCED_ACQUIRE reads, but no longer in the step that sets the key.
@@ -663,8 +667,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "celery_redlock/celery/contend.py",
-                "        for limit, margin in ((hard, HARD_LIMIT_MARGIN), (soft, request_timeout))\n",
-                "        for limit, margin in ((soft, request_timeout),)\n",
+                "(hard, HARD_LIMIT_MARGIN + 2 * request_timeout), (soft, request_timeout)",
+                "(soft, request_timeout),",
             ),
         ),
     ),
@@ -709,5 +713,132 @@ MUTANTS: tuple[Mutant, ...] = (
             "test_a_marker_dropped_before_the_publish_returns_is_no_warning_but_one_lost_to_dead_masters_is",
         ),
         (Edit(ENQUEUE, " and len(votes) - len(unanswered) >= redlock.quorum:", ":"),),
+    ),
+    Mutant(
+        "marker_ttl_expires_from_the_countdown",
+        "a numeric expires counted from the countdown: the marker outlives a message that expired",
+        (f"{R24_EXPIRES}::test_the_marker_never_outlives_the_calls_expires[number-2.0]",),
+        (
+            Edit(
+                QUEUED,
+                "    left = float(expires) if isinstance(expires, int | float) else _seconds_until(expires)",
+                "    left = float(expires) + max(0.0, delay or 0.0) if isinstance(expires, int | float) "
+                "else _seconds_until(expires)",
+            ),
+        ),
+    ),
+    Mutant(
+        "marker_ttl_ignores_iso_expires",
+        "an ISO-text expires (a retry's) does not cap the marker",
+        (f"{R24_EXPIRES}::test_the_marker_never_outlives_the_calls_expires[iso-None]",),
+        (
+            Edit(
+                QUEUED,
+                "    if isinstance(when, str):\n        try:\n"
+                "            when = dt.datetime.fromisoformat(when)\n"
+                "        except ValueError:\n            return None",
+                "    if isinstance(when, str):\n        return None",
+            ),
+        ),
+    ),
+    Mutant(
+        "enqueue_old_markers_taken_as_pending",
+        "a marker written without the published flag (an older version's) is waited for as unpublished",
+        (f"{R24_EXPIRES}::test_a_marker_written_without_the_published_flag_answers_a_duplicate_at_once",),
+        (
+            Edit(
+                ENQUEUE,
+                "    pending = record.queued and record.published is False",
+                "    pending = record.queued and record.published is not True",
+            ),
+        ),
+    ),
+    Mutant(
+        "discarded_marker_beside_the_key_kept",
+        "a discarded message's marker waiting beside the key (another holder) is not deleted",
+        (
+            f"{R24_ENDS}::test_a_discarded_message_whose_marker_waits_beside_the_key_frees_it[unregistered]",
+            f"{R24_ENDS}::test_a_discarded_message_whose_marker_waits_beside_the_key_frees_it[rejected]",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/discarded.py",
+                '    owner = name or headers.get("task")',
+                "    owner = None",
+            ),
+        ),
+    ),
+    Mutant(
+        "forget_announces_an_owned_lock_lost",
+        "forgetting a kept lock that is still owned announces lock_lost",
+        (f"{R24_HEARTBEAT}::test_forgetting_a_kept_lock_still_owned_announces_no_loss",),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        if owed is not None and entry is not None and lock.token == entry.token"
+                " and not lock.owned():",
+                "        if owed is not None and entry is not None and lock.token == entry.token:",
+            ),
+        ),
+    ),
+    Mutant(
+        "wait_cap_ignores_the_workers_time_limit",
+        "a wait ignores the worker's --time-limit: the pool kills the waiting run, its work is lost",
+        (f"{R24_ENDS}::test_a_marked_run_waiting_under_the_workers_time_limit_option_is_not_killed",),
+        (
+            Edit(
+                "celery_redlock/celery/contend.py",
+                "    worker_hard, worker_soft = worker_time_limits()\n",
+                "    worker_hard, worker_soft = None, None\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "wait_cap_ignores_slow_rounds",
+        "a wait leaves a fixed margin before the hard limit, not the rounds around it: slow "
+        "masters let the limit kill it",
+        (f"{R24_SLOW}::test_a_marked_run_waiting_on_slow_masters_is_not_killed_by_its_hard_limit",),
+        (
+            Edit(
+                "celery_redlock/celery/contend.py",
+                "(hard, HARD_LIMIT_MARGIN + 2 * request_timeout)",
+                "(hard, HARD_LIMIT_MARGIN)",
+            ),
+            Edit("celery_redlock/celery/contend.py", "cap - (time.monotonic() - started)", "cap"),
+        ),
+    ),
+    Mutant(
+        "marker_ttl_not_recounted_after_waiting",
+        "a publish that waited out another's marker keeps its own past the message's expires",
+        (
+            f"{R24_EXPIRES}::test_a_publish_that_waited_for_an_unpublished_marker_still_caps_its_marker_at_expires",
+        ),
+        (Edit(ENQUEUE, "    ttl = max(marker_ttl(task, settings, options), redlock.min_ttl)\n", ""),),
+    ),
+    Mutant(
+        "marker_ttl_ignores_the_tasks_expires",
+        "the task's own expires does not cap its marker: later calls get a message that expired unrun",
+        (f"{R24_EXPIRES}::test_the_tasks_own_expires_caps_its_marker",),
+        (
+            Edit(
+                QUEUED,
+                'options["expires"] if "expires" in options else getattr(task, "expires", None)',
+                'options.get("expires")',
+            ),
+        ),
+    ),
+    Mutant(
+        "pending_wait_one_window",
+        "a call that outwaits one unpublished marker is handed the next one's id, which may "
+        "never be published",
+        (f"{R24_EXPIRES}::test_a_call_that_outwaits_its_window_is_not_handed_an_unpublished_marker",),
+        (
+            Edit(ENQUEUE, "    for _ in range(PENDING_WINDOWS):\n", "    for _ in range(1):\n"),
+            Edit(
+                ENQUEUE,
+                "    if isinstance(placed, Existing) and placed.pending:\n        # INVARIANT",
+                "    if False:\n        # INVARIANT",
+            ),
+        ),
     ),
 )

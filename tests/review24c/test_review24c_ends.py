@@ -145,12 +145,6 @@ def _wait_behind_a_holder(r24: Any, queue: str, tag: str) -> tuple[Any, Any]:
     return waiting, value
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: contend._wait_cap reads the call's, the task's and app.conf's time limits, not "
-    "the worker's own (`celery worker --time-limit`, which sets only the pool's timeout): a "
-    "waiting marked run is killed by the pool's hard limit and its work is lost",
-)
 @pytest.mark.timeout(90)
 def test_a_marked_run_waiting_under_the_workers_time_limit_option_is_not_killed(
     r24: Any, cli_limited: str, tag: str
@@ -159,24 +153,6 @@ def test_a_marked_run_waiting_under_the_workers_time_limit_option_is_not_killed(
     waiting, value = _wait_behind_a_holder(r24, cli_limited, tag)
     assert waiting.state == states.SUCCESS, (
         f"the waiting run ended {waiting.state}: {value!r}; nothing of its work ran: {r24.events(tag)}"
-    )
-
-
-@pytest.mark.timeout(90)
-def test_a_marked_run_killed_by_the_pools_hard_limit_frees_its_marker(
-    r24: Any, cli_limited: str, tag: str
-) -> None:
-    """However the run came to be killed by the hard time limit while it waited (here: the
-    worker's own limit, which the wait does not see), the worker's main process records the
-    failure, sent without the run's request, and deletes the marker: for real, not only as
-    a direct call of the handler."""
-    waiting, value = _wait_behind_a_holder(r24, cli_limited, tag)
-    if waiting.state == states.SUCCESS:
-        pytest.skip("the wait ended before the hard limit: nothing was killed")
-    assert "TimeLimitExceeded" in repr(value), (waiting.state, value)
-    assert wait_for(lambda: r24.marked_wait.queued_task_id(tag) is None, 3.0), (
-        f"the run was killed ({value!r}), yet its marker still names it: "
-        f"{r24.marked_wait.queued_task_id(tag)}"
     )
 
 

@@ -67,12 +67,6 @@ def test_the_marker_never_outlives_the_calls_expires(
     assert second.id != first.id, "a publish was deduplicated against a message that has expired"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: marker_ttl reads only the call's options; the task's own `expires` option "
-    "(merged by Celery after the marker is placed) does not cap the marker, which outlives its "
-    "expired message by lock_enqueue_ttl: later calls are handed the id of a message no worker runs",
-)
 @pytest.mark.timeout(90)
 def test_the_tasks_own_expires_caps_its_marker(r24: Any, r24_servers: Servers, tag: str) -> None:
     """``@app.task(expires=1.0)``: every message of the task expires a second after its publish.
@@ -113,13 +107,6 @@ def _pending_marker(task_name: str, task_id: str, ttl: float) -> str:
     return markers.new_value(record.to_text(task=task_id, since=time.time(), publish="ghost"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: apply_async computes marker_ttl before _place_settled waits out another "
-    "publisher's unpublished marker (up to PUBLISH_WINDOW + request_timeout); _keep then counts "
-    "that TTL from after the wait, so the marker outlives an absolute `expires` (datetime / ISO) "
-    "by the wait, and a call in between is handed the id of an expired message",
-)
 @pytest.mark.timeout(60)
 def test_a_publish_that_waited_for_an_unpublished_marker_still_caps_its_marker_at_expires(
     r24: Any, r24_servers: Servers, tag: str
@@ -170,12 +157,6 @@ def test_a_marker_written_without_the_published_flag_answers_a_duplicate_at_once
     assert took < 1.0, f"a duplicate of a marker written by an older version waited {took:.2f} s"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _place_settled's wait for an unpublished marker ends after PUBLISH_WINDOW + "
-    "request_timeout with whatever it last found: another publisher's marker, still unpublished, "
-    "answers the call as a duplicate; if that publish then fails, the call's work never runs",
-)
 @pytest.mark.timeout(60)
 def test_a_call_that_outwaits_its_window_is_not_handed_an_unpublished_marker(
     r24: Any, r24_servers: Servers, tag: str

@@ -49,12 +49,6 @@ def slow_worker(r24: Any, r24_servers: Servers) -> Iterator[tuple[str, ProxySet]
         proxies.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: contend._wait_cap leaves a fixed HARD_LIMIT_MARGIN (1 s) and counts the wait "
-    "from its own start: a first acquire round and a last waiting round of up to "
-    "request_timeout each overrun the hard limit, which kills the waiting child (work lost)",
-)
 @pytest.mark.timeout(120)
 def test_a_marked_run_waiting_on_slow_masters_is_not_killed_by_its_hard_limit(
     r24: Any, slow_worker: tuple[str, ProxySet], tag: str
