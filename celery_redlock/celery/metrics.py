@@ -37,19 +37,31 @@ prometheus-client is first imported, so the children inherit it; the endpoint th
 process's files (``MultiProcessCollector``). A child that exits normally marks itself dead (its
 ``held_locks`` gauge then stops counting); a SIGKILLed child's gauge stays until the directory is
 cleared, as prometheus-client documents for every multiprocess user.
+
+The endpoint is served by a process of its own, forked at ``worker_init`` while the worker's
+main process has no thread but its main one (:class:`ServerProcess`). Served from a thread of
+the main process, it would be alive at every later ``fork`` of that process: each pool child
+the pool starts or replaces would begin as the copy of a multi-threaded process (Python 3.12
+warns of it: "This process is multi-threaded, use of fork() may lead to deadlocks in the
+child"), and a scrape could hold a mutex at that moment that the child then finds taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import select
+import signal as unix_signal
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import signals as celery_signals
 
+from .._fork import on_fork_in_child
 from ..errors import ConfigError
 from ..lock import heartbeat
 from ..lock.admin import round_trips
@@ -69,7 +81,7 @@ LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 _metrics: _Metrics | None = None
-_server: Any = None  # the worker's HTTP server, shut down with the worker
+_server: ServerProcess | None = None  # the worker's metrics endpoint, stopped with the worker
 
 
 class _Metrics:
@@ -258,6 +270,99 @@ def serve(host: str, port: int, redlock: Redlock | None = None) -> Any:
     return started[0] if isinstance(started, tuple) else started
 
 
+class ServerProcess:
+    """:func:`serve` in a process forked for it, which lives as long as this process does.
+
+    It is forked before any thread of ours starts (``worker_init``), serves from threads of its
+    own, and never forks. It reads its end of a pipe whose other end only this process holds
+    (pipes are not inherited across exec, and every child forked later closes its copy: see
+    :func:`_close_in_child`), so it ends when this process closes that end (:meth:`stop`) or
+    dies, whatever signal its process group is sent: a Ctrl-C or a SIGTERM to the group leaves
+    it serving through the worker's warm shutdown.
+    """
+
+    START_TIMEOUT = 10.0
+    STOP_TIMEOUT = 5.0
+
+    def __init__(self, host: str, port: int, redlock: Redlock | None = None) -> None:
+        status_r, status_w = os.pipe()
+        alive_r, self._alive = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(status_r)
+            os.close(self._alive)
+            _serve_until_eof(host, port, redlock, status_w, alive_r)
+        os.close(status_w)
+        os.close(alive_r)
+        _inherited.append(self._alive)
+        try:
+            status = _read_within(status_r, self.START_TIMEOUT)
+        finally:
+            os.close(status_r)
+        if status != "ok":
+            self.stop()
+            raise OSError(
+                status
+                or f"the metrics server process ended or did not answer within {self.START_TIMEOUT:g} s"
+            )
+
+    def stop(self) -> None:
+        """End the serving process and reap it (killed if it has not ended within STOP_TIMEOUT)."""
+        if self._alive in _inherited:
+            _inherited.remove(self._alive)
+            os.close(self._alive)
+        deadline = time.monotonic() + self.STOP_TIMEOUT
+        try:
+            while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(self.pid, unix_signal.SIGKILL)
+                    os.waitpid(self.pid, 0)
+                    return
+                time.sleep(0.02)
+        except ChildProcessError:  # reaped already
+            pass
+
+
+def _serve_until_eof(host: str, port: int, redlock: Redlock | None, status: int, alive: int) -> NoReturn:
+    """The serving process: serve, report "ok" or why not, and exit once ``alive`` reads EOF."""
+    code = 1
+    try:
+        with contextlib.suppress(ValueError):  # forked from another thread: signals stay as they are
+            for signum in (unix_signal.SIGINT, unix_signal.SIGTERM, unix_signal.SIGHUP):
+                unix_signal.signal(signum, unix_signal.SIG_IGN)
+        try:
+            serve(host, port, redlock)
+        except Exception as exc:
+            os.write(status, f"metrics server on {host or '*'}:{port}: {exc}".encode())
+        else:
+            os.write(status, b"ok")
+            while os.read(alive, 1):
+                pass
+            code = 0
+    finally:
+        os._exit(code)
+
+
+def _read_within(fd: int, timeout: float) -> str:
+    ready, _, _ = select.select([fd], [], [], timeout)
+    return os.read(fd, 4096).decode(errors="replace") if ready else ""
+
+
+# This process's ends of the serving processes' pipes: closed in every child forked from it, so
+# that only this process keeps a serving process alive.
+_inherited: list[int] = []
+
+
+def _close_in_child() -> None:
+    for fd in _inherited:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _inherited.clear()
+
+
+on_fork_in_child(_close_in_child)
+
+
 def _multiprocess_dir() -> None:
     """Set ``PROMETHEUS_MULTIPROC_DIR`` to a new directory, if it is not set and prometheus-client
     has not been imported yet (it reads the variable at import)."""
@@ -293,8 +398,10 @@ def worker_init(sender: Any = None, **_: Any) -> None:
         enable()
         if isinstance(setting, tuple):
             host, port = setting
-            _server = serve(host, port, redlock)
-            logger.info("redlock metrics served on %s:%d/metrics", host or "*", port)
+            _server = ServerProcess(host, port, redlock)
+            logger.info(
+                "redlock metrics served on %s:%d/metrics by process %d", host or "*", port, _server.pid
+            )
     except (ConfigError, OSError) as exc:
         # Celery's signal dispatch swallows an Exception; SystemExit stops the worker.
         raise SystemExit(f"celery-redlock: the worker cannot start: {exc}") from None
@@ -304,4 +411,4 @@ def worker_shutdown(**_: Any) -> None:
     global _server
     server, _server = _server, None
     if server is not None:
-        server.shutdown()
+        server.stop()

@@ -163,10 +163,28 @@ def test_raw_redis_errors_never_escape(redlock_masters: ServerSet) -> None:
     assert client.type("redlock:wrongtype") == b"list"
 
 
+# What a strict verifier (Python 3.13's default context sets VERIFY_X509_STRICT) requires of a
+# private CA and its server certificate; docs/operations.md ("TLS masters") says the same to users.
+_CA_EXTENSIONS = (
+    "basicConstraints=critical,CA:TRUE",
+    "keyUsage=critical,keyCertSign,cRLSign",
+    "subjectKeyIdentifier=hash",
+)
+_SERVER_EXTENSIONS = """\
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectKeyIdentifier=hash
+authorityKeyIdentifier=keyid,issuer
+subjectAltName=IP:127.0.0.1,DNS:localhost
+"""
+
+
 def _make_certificates(folder: Path) -> None:
     def openssl(*args: str) -> None:
         subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
 
+    ca_extensions = [arg for ext in _CA_EXTENSIONS for arg in ("-addext", ext)]
     openssl(
         "req",
         "-x509",
@@ -181,6 +199,7 @@ def _make_certificates(folder: Path) -> None:
         "2",
         "-subj",
         "/CN=celery-redlock test CA",
+        *ca_extensions,
     )
     openssl(
         "req",
@@ -194,7 +213,7 @@ def _make_certificates(folder: Path) -> None:
         "-subj",
         "/CN=127.0.0.1",
     )
-    (folder / "ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (folder / "ext").write_text(_SERVER_EXTENSIONS)
     openssl(
         "x509",
         "-req",
