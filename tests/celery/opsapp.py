@@ -25,6 +25,10 @@ app.conf.update(
     redlock_retry_backoff=0.05,
     redlock_retry_backoff_max=0.2,
     worker_prefetch_multiplier=1,
+    # A message is acknowledged when its run ends: a worker whose children are all busy then
+    # reserves no more (acknowledged at the start, a running message leaves room to reserve one
+    # more per child, and four long runs could land three on one worker of two children).
+    task_acks_late=True,
     broker_connection_retry_on_startup=True,
     task_default_queue=os.environ.get("OPSAPP_QUEUE", "opsapp"),
 )

@@ -78,15 +78,15 @@ def test_keep_extends_a_marker_only_while_it_is_there(rl: Redlock) -> None:
     side = markers.side_key(rl.key_prefix, "kept", "task-b")
     placed = markers.place(rl, "kept", side, value, 2.0)
     assert placed.value == value and placed.key is not None
-    assert markers.keep(rl, placed.key, value, 60.0)
+    assert markers.keep(rl, placed.key, value, 60.0)[0]
     kept = markers.published(value)
     assert kept != value and rl.holder("kept") == kept.partition("|")[2]  # marked published
-    assert not markers.keep(rl, placed.key, value, 60.0)  # the placed form is no longer there
-    assert markers.keep(rl, placed.key, kept, 30.0)  # replaces the TTL left, as any extension
+    assert not markers.keep(rl, placed.key, value, 60.0)[0]  # the placed form is no longer there
+    assert markers.keep(rl, placed.key, kept, 30.0)[0]  # replaces the TTL left, as any extension
     left = [m.pttl for m in admin.show(rl, "kept").masters]
     assert all(p is not None and 25 < p <= 30 for p in left), left
     markers.drop(rl, "kept", value)  # either form
-    assert not markers.keep(rl, placed.key, kept, 60.0)  # gone: not brought back
+    assert not markers.keep(rl, placed.key, kept, 60.0)[0]  # gone: not brought back
     assert rl.holder("kept") is None
 
 
@@ -123,7 +123,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     holder = markers.place(rl, "split", side, first, 10).holder
     assert holder == other.token
     assert markers.place_beside(rl, "split", side, first, 10, holder).key == side
-    assert markers.keep(rl, side, first, 10)  # its publish returned: kept, as published
+    assert markers.keep(rl, side, first, 10)[0]  # its publish returned: kept, as published
     kept = markers.published(first)
     run = markers.HandoverLock(rl, "split", 10, marker=first, side=side)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,8 @@ def test_standalone_example_counts_every_locked_increment(redlock_master_urls: l
         timeout=80,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "second holder refused: 5 masters answered 'held'" in result.stdout
+    # Refused by the holder: at least a quorum answered so (a loaded master may answer late).
+    refused = re.search(r"second holder refused: (\d) masters answered 'held'", result.stdout)
+    assert refused is not None and int(refused.group(1)) >= 3, result.stdout
     assert "TTL: kept" in result.stdout
     assert "counter = 80 (expected 80)" in result.stdout

@@ -579,7 +579,7 @@ def test_marker_keep(wire: Wire) -> None:
     placed = markers.place(wire.redlock, "marked", SIDE, markers.new_value("q"), 2.0)
     assert placed.key is not None and placed.value is not None
     with wire.record("marker", "keep"):
-        assert markers.keep(wire.redlock, placed.key, placed.value, 10.0)
+        assert markers.keep(wire.redlock, placed.key, placed.value, 10.0)[0]
 
 
 def test_marker_drop(wire: Wire) -> None:
