@@ -112,9 +112,9 @@ def test_extend_replaces_the_ttl_on_a_quorum(masters: ServerSet, rl: Redlock) ->
     assert take(lock)
     assert lock.extend(ttl=20)
     assert lock.validity > 19
-    for server in masters:
-        pttl = server.client().pttl("redlock:ext")
-        assert 19_000 < pttl <= 20_000
+    # On a quorum (a master whose acquire answered late had its grant retracted): never more.
+    pttls = [server.client().pttl("redlock:ext") for server in masters]
+    assert sum(19_000 < pttl <= 20_000 for pttl in pttls) >= rl.quorum and max(pttls) <= 20_000, pttls
     assert lock.extend(ttl=2)  # replaces, never adds
     assert all(s.client().pttl("redlock:ext") <= 2000 for s in masters)
     lock.release()
