@@ -166,13 +166,19 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
     """40 threads (more than the reference transport's 32 lanes per master) share one Redlock over
     four names while one master is paused, then another killed and restarted: no name is ever
     held by two threads, every acquire returns within its bound (two request timeouts: the round
-    and its retraction) and nothing is left on the masters at the end."""
+    and its retraction) and nothing is left on the masters at the end.
+
+    The bound is measured against the same run's healthy second: 40 threads on two cores (or
+    one, beside a busy process) wait for the interpreter as long as for the masters, and that
+    wait is no part of what a fault may add."""
     timeout = 0.1
     with Redlock(masters.urls, retry_count=0, request_timeout=timeout, transport=transport) as rl:
         holders: dict[str, int] = {}
         guard = threading.Lock()
         overlaps: list[tuple[str, int, int]] = []
-        slowest = [0.0]
+        # The slowest acquire started before the first fault, and the slowest started after it.
+        slowest = {"healthy": 0.0, "faults": 0.0}
+        faults_from = [float("inf")]
         stop = time.monotonic() + 5.0
 
         def work(k: int) -> None:
@@ -183,7 +189,8 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
                 lock = rl.lock(name, ttl=5)
                 started = time.monotonic()
                 got = lock.acquire(blocking=False)
-                slowest[0] = max(slowest[0], time.monotonic() - started)
+                phase = "healthy" if started < faults_from[0] else "faults"
+                slowest[phase] = max(slowest[phase], time.monotonic() - started)
                 if not got:
                     continue
                 with guard:
@@ -199,6 +206,7 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
         for thread in threads:
             thread.start()
         time.sleep(1.0)
+        faults_from[0] = time.monotonic()
         masters[0].pause()
         time.sleep(1.5)
         masters[0].resume()
@@ -209,8 +217,11 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
             thread.join(30)
         assert not any(thread.is_alive() for thread in threads)
         assert not overlaps, overlaps[:5]
-        # The bound plus room for 40 threads scheduled on two busy cores.
-        assert slowest[0] < 2 * timeout + 0.5, slowest[0]
+        # What a fault may add is the bound; what 40 threads waiting for the interpreter add is
+        # read from the healthy phase (with a floor for a quiet run's lucky second). A round
+        # that waited out the paused master (1.5 s) or the killed one's connects fails this.
+        scheduling = max(0.25, 2 * slowest["healthy"])
+        assert slowest["faults"] < 2 * timeout + scheduling, slowest
         assert wait_for(
             lambda: all(holding(masters, f"redlock:shared-{i}") == [0, 0, 0] for i in range(4)), 5.0
         ), [holding(masters, f"redlock:shared-{i}") for i in range(4)]
