@@ -31,6 +31,8 @@ _EXPORTS = {
     "Vote": "celery_redlock.errors",
     "Lock": "celery_redlock.lock.resource",
     "Redlock": "celery_redlock.lock.redlock",
+    "AsyncRedlock": "celery_redlock.lock.aio.redlock",
+    "AsyncLock": "celery_redlock.lock.aio.lock",
     "RedlockWarning": "celery_redlock.lock.redlock",
     "process_heartbeat": "celery_redlock.lock.heartbeat",
     "RedlockTask": "celery_redlock.celery.task",
@@ -45,6 +47,8 @@ _EXPORTS = {
 
 __all__ = [
     "AlreadyQueued",
+    "AsyncLock",
+    "AsyncRedlock",
     "ConfigError",
     "Lock",
     "LockKindMismatch",
@@ -81,6 +85,8 @@ if TYPE_CHECKING:
         StaleFence,
         Vote,
     )
+    from .lock.aio.lock import AsyncLock
+    from .lock.aio.redlock import AsyncRedlock
     from .lock.heartbeat import process_heartbeat
     from .lock.redlock import Redlock, RedlockWarning
     from .lock.reentrant import ReentrantLock

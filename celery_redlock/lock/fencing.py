@@ -57,6 +57,7 @@ from . import scripts
 from .clock import now
 from .commands import RELEASE, milliseconds
 from .resource import FENCE_SUFFIX, Lock
+from .rounds import Call, Interrupted, Rules, Send, Steps, drive
 from .tally import is_one, is_positive, retraction
 from .transport.commands import Command, Outcome, common_outcome, script_template
 
@@ -78,7 +79,17 @@ def try_acquire_fenced(
 ) -> tuple[float, list[Vote], float, int]:
     """One fenced attempt: (validity, votes, elapsed, fence); validity > 0 means acquired.
     ``expiry``, if given, receives when a quorum could be free at the earliest (as
-    ``Redlock.try_acquire`` gives it a waiting lock).
+    ``Redlock.try_acquire`` gives it a waiting lock). See :func:`fenced_attempt`."""
+    steps = fenced_attempt(redlock, key, token, ttl, expiry)
+    first = next(steps)  # its clock starts here, before the round takes or makes any link
+    with redlock._round() as rnd:
+        return drive(steps, rnd, first)
+
+
+def fenced_attempt(
+    redlock: Rules, key: str, token: str, ttl: float, expiry: list[float] | None = None
+) -> Steps[tuple[float, list[Vote], float, int]]:
+    """One fenced attempt's two rounds (see :mod:`.rounds`): (validity, votes, elapsed, fence).
 
     Both rounds run in one exchange, on the same links, so a retraction always travels behind
     whatever of ours it must follow. They share one deadline, ``request_timeout`` from the start,
@@ -86,7 +97,7 @@ def try_acquire_fenced(
     for the masters of Q (a fence write-back refused or late) and round 1's for the others.
     """
     counter = key + COUNTER_SUFFIX
-    n = len(redlock.masters)
+    n = len(redlock.tally.names)
     ms = milliseconds(ttl)
     t_start = now()
     deadline = time.monotonic() + redlock.request_timeout  # the exchange's clock
@@ -95,42 +106,49 @@ def try_acquire_fenced(
     # a plain one, time, never the grant (waited for until the deadline, it left round 2 none).
     halfway = deadline - redlock.request_timeout / 2
     release = RELEASE.pack(key, token)
-    with redlock._round() as rnd:
-        first = rnd.call([ACQUIRE.pack(key, counter, token, ms)] * n, max(0.0, halfway - time.monotonic()))
-        votes, granted, fence = _round_one(redlock, first)
-        if expiry is not None:
-            expiry.clear()
-            expiry.append(redlock._free_at([_as_pttl(o) for o in first], now()))
-        if len(granted) < redlock.quorum or ttl - (now() - t_start) - redlock.drift(ttl) <= 0:
-            # As any failed attempt: every master but those that refused gets the retraction.
-            retract = retraction(votes, release)
-            if any(retract):
-                rnd.send(retract, redlock.request_timeout)
-            return 0.0, votes, now() - t_start, 0
-        if fence >= MAX_FENCE:
-            rnd.send(retraction(votes, release), redlock.request_timeout)
-            raise RedlockError(f"fence {fence} for {key!r} is past 2^53: a master's clock is far ahead")
-        decimal = str(fence)
-        retention = milliseconds(redlock.fence_retention)
-        write_back = WRITE_BACK.pack(key, counter, token, decimal, retention)
-        # Sent even when no time is left: its replies are then late, the attempt fails, and the
-        # retraction below follows the write-backs on the same links.
-        outcomes = rnd.call(
+    try:
+        first = yield Call([ACQUIRE.pack(key, counter, token, ms)] * n, max(0.0, halfway - time.monotonic()))
+    except Interrupted:
+        yield Send([release] * n, redlock.request_timeout)  # any master may have set the key
+        raise
+    votes, granted, fence = _round_one(redlock, first)
+    if expiry is not None:
+        expiry.clear()
+        expiry.append(redlock._free_at([_as_pttl(o) for o in first], now()))
+    if len(granted) < redlock.quorum or ttl - (now() - t_start) - redlock.drift(ttl) <= 0:
+        # As any failed attempt: every master but those that refused gets the retraction.
+        retract = retraction(votes, release)
+        if any(retract):
+            yield Send(retract, redlock.request_timeout)
+        return 0.0, votes, now() - t_start, 0
+    if fence >= MAX_FENCE:
+        yield Send(retraction(votes, release), redlock.request_timeout)
+        raise RedlockError(f"fence {fence} for {key!r} is past 2^53: a master's clock is far ahead")
+    decimal = str(fence)
+    retention = milliseconds(redlock.fence_retention)
+    write_back = WRITE_BACK.pack(key, counter, token, decimal, retention)
+    # Sent even when no time is left: its replies are then late, the attempt fails, and the
+    # retraction below follows the write-backs on the same links.
+    try:
+        outcomes = yield Call(
             _round_two(votes, granted, write_back, release), max(0.0, deadline - time.monotonic())
         )
-        elapsed = now() - t_start
-        recorded = _recorded(redlock, outcomes, granted, votes)
-        validity = ttl - elapsed - redlock.drift(ttl)
-        if recorded >= redlock.quorum and validity > 0:
-            return validity, votes, elapsed, fence
-        # The fence reached too few masters (or the time ran out): a failed attempt. The masters
-        # that recorded F keep it (raising a counter is always safe): a gap in the fences.
-        retract = [None if v.kind == "held" and i not in granted else release for i, v in enumerate(votes)]
-        rnd.send(retract, redlock.request_timeout)
+    except Interrupted:
+        yield Send([release] * n, redlock.request_timeout)
+        raise
+    elapsed = now() - t_start
+    recorded = _recorded(redlock, outcomes, granted, votes)
+    validity = ttl - elapsed - redlock.drift(ttl)
+    if recorded >= redlock.quorum and validity > 0:
+        return validity, votes, elapsed, fence
+    # The fence reached too few masters (or the time ran out): a failed attempt. The masters
+    # that recorded F keep it (raising a counter is always safe): a gap in the fences.
+    retract = [None if v.kind == "held" and i not in granted else release for i, v in enumerate(votes)]
+    yield Send(retract, redlock.request_timeout)
     return 0.0, votes, elapsed, 0
 
 
-def _round_one(redlock: Redlock, first: list[Outcome]) -> tuple[list[Vote], list[int], int]:
+def _round_one(redlock: Rules, first: list[Outcome]) -> tuple[list[Vote], list[int], int]:
     """Round 1's votes, the masters that granted (Q), and the fence F = max(c over Q) + 1."""
     readings = [o.value for o in first if o.kind == "ok" and type(o.value) is int and o.value > 0]
     if len(readings) == len(first):  # the usual round: every master granted
@@ -154,7 +172,7 @@ def _round_two(
     ]
 
 
-def _recorded(redlock: Redlock, outcomes: list[Outcome], granted: list[int], votes: list[Vote]) -> int:
+def _recorded(redlock: Rules, outcomes: list[Outcome], granted: list[int], votes: list[Vote]) -> int:
     """How many masters of Q recorded the fence; their votes in ``votes`` become round 2's."""
     if outcomes.count(_RECORDED) == len(outcomes):  # the usual round: recorded everywhere
         return len(outcomes)

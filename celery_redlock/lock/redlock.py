@@ -22,52 +22,38 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 from .._fork import on_fork_in_child, pid
-from .._validate import choice, count, number
+from .._validate import choice
 from ..errors import ConfigError, Vote
+from . import rounds
 from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .fair import FairLock
 from .fencing import FencedLock
 from .reentrant import ReentrantLock
 from .resource import HOLDER_SEPARATOR, Lock, lock_key
+from .rounds import drive
+from .settings import CLOCK_DRIFT_FLOOR, MAX_TTL, RedlockWarning, Settings, _min_ttl
 from .subscriber import Subscriber
-from .tally import Tally, is_answer, is_ok, is_one, to_late
-from .tally import retraction as retraction_of
-from .transport.commands import GRANTED, HELD, Command, Outcome
+from .transport.commands import Command, Outcome
 from .transport.fast import FastTransport
-from .transport.identity import refuse_shared_servers
 from .transport.interface import Exchange, Transport
 from .transport.master import Master
 
 logger = logging.getLogger("celery_redlock.redlock")
 
-# The least drift allowed for, whatever the TTL: clock granularity and the scheduling delay
-# between a master setting the key and its reply being read.
-CLOCK_DRIFT_FLOOR = 0.002
-# The longest TTL the servers take (seconds, ~290 million years). ``PX`` and ``PEXPIRE`` take a
-# signed 64-bit count of milliseconds, which the server adds to its clock (milliseconds since the
-# epoch) and refuses if the sum passes 2**63 - 1 (about 9.2234e18): this leaves room for a clock
-# 700,000 years ahead, and is exact as a float and in milliseconds. Above the servers' bound,
-# every acquire would fail on every master ("invalid expire time" or "not an integer").
-MAX_TTL = 9.2e15
-_MAX_TTL_WHY = "the servers count a TTL in milliseconds added to their clock, in 63 bits"
 # What carries the commands (see lock/transport/interface.py): the default, and the plain
 # redis-py one the contract tests run beside it.
 TRANSPORTS = ("fast", "redis-py")
+# Defined in settings.py (shared with AsyncRedlock); importable from here as they always were.
+__all__ = ["CLOCK_DRIFT_FLOOR", "MAX_TTL", "TRANSPORTS", "Redlock", "RedlockWarning", "_min_ttl"]
 
 
-class RedlockWarning(UserWarning):
-    """A configuration that works but weakens the lock's guarantees."""
-
-
-class Redlock:
+class Redlock(Settings):
     """A lock factory over N independent Redis masters.
 
     ``masters`` are redis URLs (``redis://``, ``rediss://``, ``unix://``) or ``redis.Redis``
@@ -112,67 +98,19 @@ class Redlock:
         fence_retention: float = 86400.0,
         transport: str = "fast",
     ) -> None:
-        if isinstance(masters, (str, bytes)):
-            masters = [masters]
-        try:
-            specs = list(masters)
-        except TypeError:
-            raise ConfigError(
-                f"masters must be a list of redis URLs or redis.Redis clients, got "
-                f"{type(masters).__name__} {masters!r}"
-            ) from None
-        if not specs:
-            raise ConfigError("masters: at least one master is needed")
-        ttl = number("ttl", ttl, above=0, unit="seconds")
-        self.retry_count = count("retry_count", retry_count)
-        self.retry_delay = number("retry_delay", retry_delay, at_least=0, unit="seconds")
-        self.drift_factor = number("drift_factor", drift_factor, at_least=0, below=0.5)
-        self.request_timeout = number("request_timeout", request_timeout, above=0, unit="seconds")
-        self.min_ttl = _min_ttl(self.request_timeout, self.drift_factor)
-        self.ttl = self.check_ttl("ttl", ttl)
-        if not isinstance(key_prefix, str):
-            raise ConfigError(f"key_prefix must be a str, got {key_prefix!r}")
-        self.key_prefix = key_prefix
-        if number("release_linger", release_linger, at_least=0, unit="seconds"):
-            warnings.warn(
-                "release_linger has no effect: a release waits for the masters' replies",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-
-        self.wait = choice("wait", wait, ("release", "poll"))
-        self.wait_poll = number(
-            "wait_poll",
-            max(0.5, self.request_timeout) if wait_poll is None else wait_poll,
-            at_least=self.request_timeout,
-            unit="seconds",
-            why="at least request_timeout: a fallback try must have time to finish",
+        super().__init__(
+            masters,
+            ttl=ttl,
+            retry_count=retry_count,
+            retry_delay=retry_delay,
+            drift_factor=drift_factor,
+            request_timeout=request_timeout,
+            key_prefix=key_prefix,
+            release_linger=release_linger,
+            wait=wait,
+            wait_poll=wait_poll,
+            fence_retention=fence_retention,
         )
-
-        # How long a name's fence counter outlives its last fenced grant (see fencing.py): once it
-        # has expired, the clock floor is a whole retention past the last fence recorded.
-        self.fence_retention = number(
-            "fence_retention", fence_retention, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY
-        )
-        if self.fence_retention < 3600:
-            message = (
-                f"fence_retention {self.fence_retention:g} s is under an hour: a counter that expires "
-                "falls back to a master's clock, which may be behind the clock that issued the last fence"
-            )
-            warnings.warn(message, RedlockWarning, stacklevel=2)
-
-        self.masters: list[Master] = [Master.from_spec(s, self.request_timeout) for s in specs]
-        refuse_shared_servers(self.masters)
-        if len(self.masters) % 2 == 0:
-            message = (
-                f"masters: {len(self.masters)} is even; a quorum of {len(self.masters) // 2 + 1} "
-                f"tolerates no more failures than {len(self.masters) - 1} masters would"
-            )
-            warnings.warn(message, RedlockWarning, stacklevel=2)
-            logger.warning(message)
-        self.quorum = len(self.masters) // 2 + 1
-        # Outcomes to votes, for every kind of lock (lock/tally.py).
-        self.tally = Tally([m.name for m in self.masters])
         self.transport: Transport = _transport(choice("transport", transport, TRANSPORTS), self.masters)
         # Every operation's exchange with the masters; bound once (the hot path's one lookup).
         self._round: Callable[[], Exchange] = self.transport.round
@@ -280,22 +218,6 @@ class Redlock:
         self.close()
 
     # -- the algorithm ----------------------------------------------------------------------------
-    def drift(self, ttl: float) -> float:
-        return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
-
-    def check_ttl(self, name: str, value: object) -> float:
-        """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`, at most
-        :data:`MAX_TTL`), else a :class:`ConfigError` that names the bound and what it follows from."""
-        ttl = number(name, value, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY)
-        if ttl < self.min_ttl:
-            raise ConfigError(
-                f"{name} must be at least {self.min_ttl:g} seconds, got {value!r}: a round may take up "
-                f"to request_timeout ({self.request_timeout:g} s) and the drift allowance is "
-                f"ttl * drift_factor ({self.drift_factor:g}) + {CLOCK_DRIFT_FLOOR * 1000:g} ms, so a "
-                "shorter TTL could be granted by every master and still leave no validity"
-            )
-        return ttl
-
     def try_acquire(
         self,
         key: str,
@@ -323,74 +245,36 @@ class Redlock:
         instead (markers.HandoverLock); the late masters of a granted attempt are still sent the
         ``retraction``.
         """
-        # Taken before the round makes any missing connection: all of the round, connects
-        # included, is spent out of the TTL (and Lock counts its validity from earlier still).
-        t_start = now()
-        if acquires is None:
-            acquires = [commands.acquire.pack(key, token, milliseconds(ttl))] * len(self.masters)
+        steps = rounds.attempt(
+            self,
+            key,
+            token,
+            ttl,
+            commands,
+            expiry,
+            acquires=acquires,
+            retraction=retraction,
+            seen=seen,
+            undo=undo,
+        )
+        first = next(steps)  # its clock starts here, before the round takes or makes any link
         with self._round() as rnd:
-            outcomes = rnd.call(acquires, self.request_timeout)
-            elapsed = now() - t_start
-            if outcomes.count(GRANTED) == len(outcomes):  # the usual rounds: compared by identity
-                votes, granted = list(self.tally.granted), len(outcomes)
-            elif outcomes.count(HELD) == len(outcomes):
-                votes, granted = list(self.tally.refused), 0
-            else:
-                votes, granted = self.tally.votes(outcomes, is_ok)
-            validity = ttl - elapsed - self.drift(ttl)
-            if expiry is not None:
-                expiry.append(self._free_at(outcomes, t_start + elapsed))
-            if seen is not None:
-                seen.extend(outcomes)
-            if granted >= self.quorum and validity > 0:
-                if granted < len(votes):
-                    # A master that answered late may still set the key; retract it on the same
-                    # link (not waited for) so the key cannot outlive our release.
-                    late = to_late(votes, retraction or commands.release.pack(key, token))
-                    if any(late):
-                        rnd.send(late, self.request_timeout)
-                return validity, votes, elapsed
-            retract = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
-            if any(retract):
-                rnd.send(retract, self.request_timeout)
-        return min(validity, 0.0), votes, elapsed
-
-    def _free_at(self, outcomes: Sequence[Outcome], t_end: float) -> float:
-        """When a quorum of masters could have let the key expire, at the earliest: a master
-        that granted counts as free now (its grant is retracted), one that answered a PTTL
-        as free by then (it ran the script before ``t_end``), any other never."""
-        remaining = []
-        for outcome in outcomes:
-            value = outcome.value if outcome.kind == "ok" else None
-            if isinstance(value, list) and value:
-                value = value[0]  # a fair lock's refusal: [pttl, ...]
-            if value == b"OK":
-                remaining.append(0.0)
-            elif isinstance(value, int) and value >= 0:
-                remaining.append(value / 1000)
-            else:  # an error, a timeout, or a key with no TTL (-1)
-                remaining.append(math.inf)
-        remaining.sort()
-        return t_end + remaining[self.quorum - 1] + 0.001
+            return drive(steps, rnd, first)
 
     def try_extend(
         self, key: str, token: str, ttl: float, commands: Commands = PLAIN
     ) -> tuple[float, list[Vote], float]:
         """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
-        command = commands.extend.pack(key, token, milliseconds(ttl))
-        t_start = now()  # before the round's connects, as in try_acquire
+        steps = rounds.extend(self, key, token, ttl, commands)
+        first = next(steps)  # before the round's connects, as in try_acquire
         with self._round() as rnd:
-            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
-            elapsed = now() - t_start
-        return self._extension(outcomes, ttl, elapsed)
+            return drive(steps, rnd, first)
 
     def _extension(
         self, outcomes: Sequence[Outcome], ttl: float, elapsed: float
     ) -> tuple[float, list[Vote], float]:
         """An extension's (validity, votes, elapsed) from every master's outcome of it."""
-        votes, granted = self.tally.votes(outcomes, is_one)
-        validity = ttl - elapsed - self.drift(ttl)
-        return (validity if granted >= self.quorum else 0.0), votes, elapsed
+        return rounds.extension(self, outcomes, ttl, elapsed)
 
     def extend_many(self, locks: Sequence[Lock]) -> list[bool]:
         """Extend each of ``locks`` to its own TTL, all in one round; ``[k]`` is what
@@ -464,15 +348,11 @@ class Redlock:
         if command is None:
             command = commands.release.pack(key, token)
         with self._round() as rnd:
-            # Kept for a master that could not be written to: it goes out on that master's next
-            # link, so the key does not outlive the release there until its TTL.
-            outcomes = rnd.call(
-                [command] * len(self.masters), self.request_timeout, keep=True, enough=self.quorum
-            )
-        if sum(1 for o in outcomes if o.kind == "ok") >= self.quorum:
-            return True  # the hot path builds no votes
+            votes = drive(rounds.release(self, command), rnd)
+        if votes is None:
+            return True
         if lock is not None:
-            lock.release_votes = self.tally.votes(outcomes, is_answer)[0]
+            lock.release_votes = votes
         return False
 
     def send_release(
@@ -489,7 +369,7 @@ class Redlock:
         if command is None:
             command = commands.release.pack(key, token)
         with self._round() as rnd:
-            rnd.send([command] * len(self.masters), self.request_timeout)
+            drive(rounds.send_release(self, command), rnd)
 
     def write_everywhere(self, key: str, value: str, ttl: float) -> int:
         """SET a plain (non-lock) key on every master with a TTL; returns how many accepted it.
@@ -527,21 +407,6 @@ class Redlock:
         with self._round() as rnd:
             outcomes = rnd.call([("EXISTS", key)] * len(self.masters), self.request_timeout)
         return sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
-
-
-def _min_ttl(request_timeout: float, drift_factor: float) -> float:
-    """The least TTL a round can honour, rounded up to the millisecond the masters count in.
-
-    A round counts only the replies that arrive within ``request_timeout``, so a round that
-    gathered its quorum in time took less than that. Its validity,
-    ``ttl - elapsed - (ttl * drift_factor + CLOCK_DRIFT_FLOOR)``, is then positive for every such
-    round iff ``ttl * (1 - drift_factor) >= CLOCK_DRIFT_FLOOR + request_timeout``. Below that,
-    every master could grant a lock (or an extension) that is already worth nothing, and the
-    holder could not tell a slow round from a lost lock. A round that must first connect takes
-    longer still, which is why a TTL should be far above this minimum, not at it.
-    """
-    raw = (CLOCK_DRIFT_FLOOR + request_timeout) / (1 - drift_factor)
-    return math.ceil(raw * 1000 - 1e-9) / 1000
 
 
 def _transport(name: str, masters: Sequence[Master]) -> Transport:

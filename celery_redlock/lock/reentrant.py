@@ -34,11 +34,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from .._fork import on_fork_in_child
-from ..errors import LockLost, LockNotAcquired
+from ..errors import LockLost, LockNotAcquired, Vote
 from .clock import now
 from .commands import ENTER, EXIT, REENTRANT, milliseconds
 from .owner import current_owner
 from .resource import Lock, check_wait, raise_on_kind
+from .rounds import Call, Rules, Steps, drive
 from .tally import is_positive
 
 if TYPE_CHECKING:
@@ -171,14 +172,11 @@ class ReentrantLock:
             token = inner._extendable()
             if token is None:
                 raise LockLost(self.name, inner.lost_reason or "validity ran out before the re-entry")
-            command = ENTER.pack(self.key, token, milliseconds(inner.ttl))
-            started = now()
+            steps = enter(redlock, self.key, token, inner.ttl)
+            first = next(steps)  # its clock starts here, before the round's connects
             with redlock._round() as rnd:
-                outcomes = rnd.call([command] * len(redlock.masters), redlock.request_timeout)
-                elapsed = now() - started
-            votes, yes = redlock.tally.votes(outcomes, is_positive)  # the new depth on a master
+                validity, votes, started = drive(steps, rnd, first)
             raise_on_kind(self.name, votes)
-            validity = inner.ttl - elapsed - redlock.drift(inner.ttl) if yes >= redlock.quorum else 0.0
             inner._settle_extension(token, started, inner.ttl, validity, votes)
             if inner.lost_reason or not inner.owned():
                 raise LockLost(self.name, inner.lost_reason or "validity ran out during the re-entry")
@@ -234,6 +232,18 @@ class ReentrantLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def enter(redlock: Rules, key: str, token: str, ttl: float) -> Steps[tuple[float, list[Vote], float]]:
+    """One re-entry's round (R_ENTER): (validity, votes, started), settled by the caller as an
+    extension is (``Lock._settle_extension``, counted from ``started``)."""
+    command = ENTER.pack(key, token, milliseconds(ttl))
+    started = now()
+    outcomes = yield Call([command] * len(redlock.tally.names), redlock.request_timeout)
+    elapsed = now() - started
+    votes, yes = redlock.tally.votes(outcomes, is_positive)  # the new depth on a master
+    validity = ttl - elapsed - redlock.drift(ttl) if yes >= redlock.quorum else 0.0
+    return validity, votes, started
 
 
 def forget_holding(inner: Lock) -> None:

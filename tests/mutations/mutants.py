@@ -35,6 +35,9 @@ FENCING = "celery_redlock/lock/fencing.py"
 TASK = "celery_redlock/celery/task.py"
 TRACER = "celery_redlock/celery/tracer.py"
 TALLY = "celery_redlock/lock/tally.py"
+SETTINGS = "celery_redlock/lock/settings.py"
+ROUNDS = "celery_redlock/lock/rounds.py"
+STATE = "celery_redlock/lock/state.py"
 ROUND = "celery_redlock/lock/transport/round.py"
 REFERENCE = "celery_redlock/lock/transport/reference.py"
 MASTER = "celery_redlock/lock/transport/master.py"
@@ -67,7 +70,7 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded]",),
         (
             Edit(
-                REDLOCK,
+                SETTINGS,
                 "self.quorum = len(self.masters) // 2 + 1",
                 "self.quorum = len(self.masters) // 2",
             ),
@@ -84,14 +87,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             Edit(
-                REDLOCK,
-                "            validity = ttl - elapsed - self.drift(ttl)\n            if expiry is not None:",
-                "            validity = ttl - self.drift(ttl)\n            if expiry is not None:",
+                ROUNDS,
+                "    validity = ttl - elapsed - redlock.drift(ttl)\n    if expiry is not None:",
+                "    validity = ttl - redlock.drift(ttl)\n    if expiry is not None:",
             ),
             Edit(
-                RESOURCE,
-                "valid_until = started + self.ttl - redlock.drift(self.ttl)",
-                "valid_until = now() + self.ttl - redlock.drift(self.ttl)",
+                STATE,
+                "valid_until = started + self.ttl - self.redlock.drift(self.ttl)",
+                "valid_until = now() + self.ttl - self.redlock.drift(self.ttl)",
             ),
         ),
     ),
@@ -101,7 +104,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             "tests/core/test_validity_drift.py::test_validity_ends_a_drift_before_any_master_lets_the_key_go[embedded]",
         ),
-        (Edit(REDLOCK, "return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR", "return 0.0"),),
+        (Edit(SETTINGS, "return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR", "return 0.0"),),
     ),
     Mutant(
         "failed_acquire_not_retracted",
@@ -165,17 +168,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 FENCING,
-                "    with redlock._round() as rnd:\n        first = rnd.call(",
-                "    with redlock._round() as rnd:\n"
-                f'        early = rnd.call([("EVAL", "{_EARLY_READ}", 1, counter)] * n, '
+                "    try:\n        first = yield Call(",
+                f'    early = yield Call([("EVAL", "{_EARLY_READ}", 1, counter)] * n, '
                 "redlock.request_timeout)\n"
-                "        first = rnd.call(",
+                "    try:\n        first = yield Call(",
             ),
             Edit(
                 FENCING,
-                "        votes, granted, fence = _round_one(redlock, first)\n",
-                "        votes, granted, fence = _round_one(redlock, first)\n"
-                '        fence = max(o.value for o in early if o.kind == "ok") + 1\n',
+                "    votes, granted, fence = _round_one(redlock, first)\n",
+                "    votes, granted, fence = _round_one(redlock, first)\n"
+                '    fence = max(o.value for o in early if o.kind == "ok") + 1\n',
             ),
         ),
     ),
@@ -188,13 +190,13 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             Edit(
-                REDLOCK,
-                "            outcomes = rnd.call(\n"
-                "                [command] * len(self.masters), self.request_timeout, keep=True, "
-                "enough=self.quorum\n"
-                "            )\n"
-                '        if sum(1 for o in outcomes if o.kind == "ok") >= self.quorum:',
-                "            rnd.send([command] * len(self.masters), self.request_timeout)\n        if True:",
+                ROUNDS,
+                "    outcomes = yield Call(\n"
+                "        [command] * len(redlock.tally.names), redlock.request_timeout, keep=True, "
+                "enough=redlock.quorum\n"
+                "    )\n"
+                '    if sum(1 for o in outcomes if o.kind == "ok") >= redlock.quorum:',
+                "    yield Send([command] * len(redlock.tally.names), redlock.request_timeout)\n    if True:",
             ),
         ),
     ),

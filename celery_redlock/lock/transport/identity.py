@@ -9,12 +9,11 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
 from ...errors import ConfigError
-from .link import Link
 from .master import Master
 
 logger = logging.getLogger("celery_redlock.masters")
@@ -58,7 +57,15 @@ def refuse_shared_servers(masters: Sequence[Master]) -> None:
             seen[address] = master
 
 
-def identify(masters: Sequence[Master], i: int, link: Link) -> str:
+class Identified(Protocol):
+    """A new link as :func:`identify` reads it (the fast transport's, or an asyncio one)."""
+
+    run_id: str
+
+    def close(self) -> None: ...
+
+
+def identify(masters: Sequence[Master], i: int, link: Identified) -> str:
     """Why master i's new link may carry nothing, or "": its server (by the run_id its
     handshake read) is another master's. Two URLs may lead to one server where nothing in them
     tells (a proxy, a NAT, an alias, another database of it); the run_id does. Both masters are

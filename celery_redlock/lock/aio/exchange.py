@@ -1,0 +1,289 @@
+"""The asyncio transport: the contract of :mod:`..transport.interface`, kept over asyncio.
+
+An :class:`AsyncExchange` is one lock operation's access to the masters; it takes one link per
+master at its first command there and uses it for all the operation's commands, so they reach
+each master in order (a retraction always follows the late acquire it undoes). Every call is
+bounded by one deadline, connects included: a master that has not answered by then gets a
+``timeout`` outcome and costs the others nothing (every master's link is written at once, and
+the replies are matched as they come, by :class:`~.link.Link`). A cancelled call is a call that
+stopped waiting: its replies are read and dropped as they come, and its links owe them until
+then (never handed on meanwhile).
+
+``send`` and ``call(keep=True)`` (a release) are written at once (a write does not block); a
+master with no link yet gets them on the link its connect brings, or, if none comes, they are
+kept on its :class:`~.site.Site` for its next link: never lost. So ``send`` needs no ``await``,
+and an operation's undo can be sent from a cancelled task.
+
+:func:`drive` runs an operation of :mod:`..rounds` over an exchange, as ``rounds.drive`` does
+over a blocking one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+from ...errors import ConfigError
+from ..rounds import Call, Interrupted, Request, Send, Steps
+from ..transport.commands import LATE, NOT_AWAITED, NOT_SENT, Command, Outcome, pack_command
+from ..transport.identity import identify
+from ..transport.master import Master
+from .handshake import check_options, open_link
+from .link import Entry, Link, Sink
+from .site import Site
+
+T = TypeVar("T")
+
+
+class Gather(Sink):
+    """One call's replies: one slot per command, done when all (or ``enough`` ok ones) came."""
+
+    __slots__ = ("enough", "future", "good", "missing", "results")
+
+    def __init__(self, count: int, enough: int) -> None:
+        self.results: list[Outcome | None] = [None] * count
+        self.missing = count
+        self.enough = enough
+        self.good = 0
+        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def put(self, slot: int, outcome: Outcome) -> None:
+        if self.future.done():
+            return  # late: the caller has its outcome (timeout) already
+        self.results[slot] = outcome
+        self.missing -= 1
+        if outcome.kind == "ok":
+            self.good += 1
+        if not self.missing or (self.enough and self.good >= self.enough):
+            self.future.set_result(None)
+
+    def waiting(self) -> bool:
+        return not self.future.done()
+
+    def expire(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+class AsyncExchange:
+    """One lock operation's access to the masters (see the module docstring)."""
+
+    def __init__(self, transport: AsyncTransport) -> None:
+        self._transport = transport
+        self._sites = transport.sites
+        n = len(self._sites)
+        self._links: list[Link | None] = [None] * n
+        # A connect this exchange waits for, per master, and what waits to be written on its link.
+        self._connecting: list[asyncio.Task[Link] | None] = [None] * n
+        self._queued: list[list[tuple[bytes, list[Entry]]]] = [[] for _ in range(n)]
+        self._failures: list[str] = [""] * n
+        self._closed = False
+
+    async def call(
+        self, commands: Sequence[Command | None], timeout: float, *, keep: bool = False, enough: int = 0
+    ) -> list[Outcome]:
+        batches = [() if command is None else (command,) for command in commands]
+        results = await self.call_many(batches, timeout, keep=keep, enough=enough)
+        return [got[0] if got else NOT_SENT for got in results]
+
+    async def call_many(
+        self, batches: Sequence[Sequence[Command]], timeout: float, *, keep: bool = False, enough: int = 0
+    ) -> list[list[Outcome]]:
+        deadline = time.monotonic() + timeout
+        self._check_refusal()
+        offsets = []
+        total = 0
+        for batch in batches:
+            offsets.append(total)
+            total += len(batch)
+        gather = Gather(total, enough)
+        for i, batch in enumerate(batches):
+            if batch:
+                self._write(i, batch, gather, offsets[i], keep)
+        if gather.missing and not (gather.enough and gather.good >= gather.enough):
+            loop = asyncio.get_running_loop()
+            timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), gather.expire)
+            try:
+                await gather.future
+            finally:
+                timer.cancel()
+        else:
+            gather.expire()
+        late = NOT_AWAITED if enough else LATE
+        results = gather.results
+        return [
+            [results[offsets[i] + j] or late for j in range(len(batch))] for i, batch in enumerate(batches)
+        ]
+
+    def send(self, commands: Sequence[Command | None], timeout: float) -> None:
+        """Write ``commands[i]`` to master i; nobody waits (see the module docstring)."""
+        for i, command in enumerate(commands):
+            if command is not None:
+                self._write(i, (command,), None, 0, True)
+
+    def _write(self, i: int, batch: Sequence[Command], sink: Gather | None, offset: int, keep: bool) -> None:
+        packed = [pack_command(command) for command in batch]
+        entries = [Entry(sink, offset + j, packed[j], keep) for j in range(len(batch))]
+        data = b"".join(packed)
+        link = self._links[i]
+        if link is None and self._connecting[i] is None:
+            link = self._link(i)
+        if link is not None and not link.closed:
+            link.write(data, entries)
+            return
+        if self._connecting[i] is not None:
+            self._queued[i].append((data, entries))
+            return
+        self._unwritten(i, entries, self._failures[i] or "no connection")
+
+    def _link(self, i: int) -> Link | None:
+        """Master i's link for this exchange: an idle one, else a connect is begun (None)."""
+        site = self._sites[i]
+        link = site.take()
+        if link is not None:
+            self._links[i] = link
+            return link
+        why = site.unavailable()
+        if why:
+            self._failures[i] = why
+            return None
+        task = site.connect()
+        self._connecting[i] = task
+        task.add_done_callback(lambda done: self._connected(i, done))
+        return None
+
+    def _connected(self, i: int, task: asyncio.Task[Link]) -> None:
+        """Master i's connect ended: what waited for it is written on its link, but a vote its
+        caller no longer waits for (written late, it could land after its retraction)."""
+        self._connecting[i] = None
+        queued, self._queued[i] = self._queued[i], []
+        link = None if task.cancelled() or task.exception() is not None else task.result()
+        if link is None:
+            exc = None if task.cancelled() else task.exception()
+            error = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
+            self._failures[i] = self._sites[i].down_reason or error
+            for _, entries in queued:
+                self._unwritten(i, entries, self._failures[i])
+            return
+        for data, entries in queued:
+            _write_wanted(link, data, entries)
+        if self._closed:
+            self._sites[i].give_back(link)
+        else:
+            self._links[i] = link
+
+    def _unwritten(self, i: int, entries: list[Entry], why: str) -> None:
+        """Entries master i could not be written to: votes fail now, releases are kept."""
+        failure = Outcome("error", detail=why)
+        site = self._sites[i]
+        for entry in entries:
+            if entry.keep and entry.command is not None:
+                site.keep(pack_command(entry.command))
+            if entry.sink is not None:
+                entry.sink.put(entry.slot, failure)
+
+    def _check_refusal(self) -> None:
+        for site in self._sites:
+            if site.master.refusal:
+                raise ConfigError(site.master.refusal)  # two masters found to be one server
+
+    def close(self) -> None:
+        self._closed = True
+        links, self._links = self._links, [None] * len(self._sites)
+        for site, link in zip(self._sites, links, strict=True):
+            if link is not None:
+                site.give_back(link)
+
+    def __enter__(self) -> AsyncExchange:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _write_wanted(link: Link, data: bytes, entries: list[Entry]) -> None:
+    """Write what of ``entries`` is still wanted on a link that came after its deadline."""
+    wanted = [e for e in entries if e.keep or (e.sink is not None and e.sink.waiting())]
+    if len(wanted) == len(entries):
+        link.write(data, entries)
+    elif wanted:
+        link.write(b"".join(pack_command(e.command) for e in wanted if e.command is not None), wanted)
+
+
+class AsyncTransport:
+    """The masters over asyncio: exchanges, and a close that ends every task of ours."""
+
+    def __init__(self, masters: Sequence[Master], request_timeout: float) -> None:
+        for master in masters:
+            check_options(master)
+        self.masters = list(masters)
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.sites = [Site(i, m, request_timeout, self._open, self.tasks) for i, m in enumerate(masters)]
+
+    def round(self) -> AsyncExchange:
+        return AsyncExchange(self)
+
+    async def _open(self, site: Site, deadline: float) -> Link:
+        link = await open_link(site, deadline)
+        refusal = identify(self.masters, site.index, link)  # one server never votes twice
+        if refusal:
+            raise ConnectionError(refusal)
+        site.master.run_id = link.run_id
+        return link
+
+    async def aclose(self) -> None:
+        """Close every link and end every task of ours (connects, deliveries)."""
+        for site in self.sites:
+            site.close()
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for site in self.sites:
+            site.close()  # what a connect finished meanwhile
+
+
+async def drive(steps: Steps[T], exchange: AsyncExchange, request: Request | None = None) -> T:
+    """Run an operation of :mod:`..rounds` over ``exchange``; what it returns.
+
+    Cancelled while a request is out, the operation is told (:class:`~..rounds.Interrupted`),
+    and what it sends to undo the round in flight is written before the cancellation goes on
+    (``send`` does not wait, so no second cancellation can stop it)."""
+    if request is None:
+        request = next(steps)
+    while True:
+        try:
+            reply = await _perform(request, exchange)
+        except asyncio.CancelledError:
+            _undo(steps, exchange)
+            raise
+        try:
+            request = steps.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+
+async def _perform(request: Request, exchange: AsyncExchange) -> Any:
+    if isinstance(request, Call):
+        return await exchange.call(
+            request.commands, request.timeout, keep=request.keep, enough=request.enough
+        )
+    if isinstance(request, Send):
+        exchange.send(request.commands, request.timeout)
+        return None
+    return await exchange.call_many(request.batches, request.timeout)
+
+
+def _undo(steps: Steps[Any], exchange: AsyncExchange) -> None:
+    """Throw Interrupted into ``steps`` and send what it sends before it lets it go."""
+    try:
+        request = steps.throw(Interrupted())
+        while isinstance(request, Send):
+            exchange.send(request.commands, request.timeout)
+            request = steps.send(None)
+    except (Interrupted, StopIteration):
+        return
+    steps.close()  # asked for a reply nobody can wait for now

@@ -1,0 +1,104 @@
+"""A new asyncio link: connected, and its handshake answered, by a deadline.
+
+The handshake is the blocking transports' (:mod:`..transport.handshake`): AUTH, CLIENT SETNAME
+and SELECT as the master's options ask, ``INFO server`` and ``INFO replication`` (its run id,
+and whether it is a Redis master of its own), then a ``SCRIPT LOAD`` of every script, all in one
+write; every reply is judged by the same checks (``Master._check_handshake``, ``check_identity``,
+``Master._check_loads``). Only the socket is asyncio's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import redis
+
+from ...errors import ConfigError
+from .. import wire
+from ..transport.commands import Outcome, script_loads
+from ..transport.handshake import Silent, check_identity, handshake_commands, info_field
+from ..transport.master import Master
+from .link import Entry, Link, Sink
+from .site import Site
+
+
+class _Replies(Sink):
+    """The handshake's replies, in order; done once all have come."""
+
+    def __init__(self, count: int) -> None:
+        self.values: list[Any] = [None] * count
+        self.missing = count
+        self.done = asyncio.get_running_loop().create_future()
+
+    def put(self, slot: int, outcome: Outcome) -> None:
+        self.values[slot] = outcome
+        self.missing -= 1
+        if not self.missing and not self.done.done():
+            self.done.set_result(None)
+
+    def waiting(self) -> bool:
+        return not self.done.done()
+
+
+def check_options(master: Master) -> None:
+    """Refuse, when the AsyncRedlock is built, a master this transport cannot reach yet."""
+    if issubclass(master._connection_class, redis.SSLConnection):
+        raise ConfigError(f"masters: {master.name}: TLS (rediss://) is not supported by AsyncRedlock yet")
+
+
+async def open_link(site: Site, deadline: float) -> Link:
+    """A new link to ``site``'s master by ``deadline`` (see the module docstring); raises
+    ``ConnectionError`` (or ``TimeoutError``, ``OSError``) and leaves nothing open."""
+    master = site.master
+    if master.unfit or master.refusal:
+        raise ConnectionError(master.unfit or master.refusal)
+    loop = asyncio.get_running_loop()
+    options = master._options
+    conn = master._connection_class(**options)  # only read for its options; never connected
+    link = Link(master, lambda lost, entries: site.keep_entries(entries))
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError("no time left to connect within request_timeout")
+    if issubclass(master._connection_class, redis.UnixDomainSocketConnection):
+        opening = loop.create_unix_connection(lambda: link, str(options["path"]))
+    else:
+        host, port = options.get("host", "localhost"), options.get("port", 6379)
+        opening = loop.create_connection(lambda: link, host, port)
+    await asyncio.wait_for(opening, remaining)
+    try:
+        commands = handshake_commands(conn)
+        loads = script_loads()
+        everything = [*commands, *loads]
+        replies = _Replies(len(everything))
+        link.write(
+            b"".join(map(wire.pack, everything)),
+            [Entry(replies, j, None, False) for j in range(len(everything))],
+        )
+        remaining = deadline - time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.shield(replies.done), max(0.0, remaining))
+        except asyncio.TimeoutError:
+            raise Silent(
+                f"accepted the connection and did not answer within {remaining:.2f} s (a connect's "
+                "bound: request_timeout; a paused or overloaded server, or no Redis server)"
+            ) from None
+        values = [_value(outcome) for outcome in replies.values]
+        answers, loaded = values[: len(commands)], values[len(commands) :]
+        for command, reply in zip(commands, answers, strict=True):
+            master._check_handshake(command[0], reply)
+        check_identity(answers[-2], answers[-1])
+        master._check_loads(loaded)
+    except BaseException:
+        link.close()
+        raise
+    link.run_id = info_field(answers[-2], b"run_id")
+    return link
+
+
+def _value(outcome: Outcome) -> Any:
+    """An outcome back as the reply the handshake checks read (an error as a ReplyError)."""
+    if outcome.kind == "error":
+        return wire.ReplyError(outcome.detail.partition(": ")[2])
+    return outcome.value

@@ -1,0 +1,47 @@
+"""The asyncio lock's tests: five real embedded masters, loopback only, started once per session
+and brought back (resumed, restarted, emptied) before each test.
+
+Coroutines are run with ``asyncio.run`` inside plain tests (:func:`run`): no pytest plugin is
+needed, every test gets a loop of its own that ends with it, and ``asyncio.run`` itself fails
+the test if a task of ours is left behind (see ``test_aclose_leaves_no_task``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from typing import Any, TypeVar
+
+import pytest
+
+from celery_redlock.testing import ServerSet
+
+T = TypeVar("T")
+
+
+@pytest.fixture(scope="session")
+def server_set() -> Iterator[ServerSet]:
+    with ServerSet(5) as servers:
+        yield servers
+
+
+@pytest.fixture
+def masters(server_set: ServerSet) -> ServerSet:
+    server_set.ensure_running()
+    return server_set
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    return asyncio.run(coro)
+
+
+def keys_on(masters: ServerSet, pattern: str = "redlock:*") -> list[list[bytes]]:
+    """Every key matching ``pattern`` on each running master."""
+    found = []
+    for server in masters:
+        if server.running and not server.paused:
+            client = server.client()
+            try:
+                found.append(sorted(client.keys(pattern)))
+            finally:
+                client.close()
+    return found

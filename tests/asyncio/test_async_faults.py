@@ -1,0 +1,160 @@
+"""AsyncRedlock under faults on real masters: a paused master bounds a round and slows no
+other, a dead minority costs nothing, a cancelled acquire leaves no key, nothing blocks the
+event loop, and ``aclose()`` leaves no task behind."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from celery_redlock import AsyncRedlock
+from celery_redlock.testing import ServerSet
+
+from .conftest import keys_on, run
+
+pytestmark = pytest.mark.timeout(40)
+
+
+def test_a_paused_master_costs_a_round_at_most_request_timeout(masters: ServerSet) -> None:
+    async def main() -> list[float]:
+        took = []
+        async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as rl:
+            lock = rl.lock("paused")
+            assert await lock.acquire(blocking=False)  # every link made
+            await lock.release()
+            masters[0].pause()
+            try:
+                for _ in range(3):  # its late replies pile up; its rounds stay bounded
+                    started = time.monotonic()
+                    assert await lock.acquire(blocking=False)
+                    assert await lock.release()  # a quorum answered: not waited for the fifth
+                    took.append(time.monotonic() - started)
+                # A new AsyncRedlock connects to it: the handshake is bounded too.
+                async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as fresh:
+                    started = time.monotonic()
+                    assert await fresh.lock("other").acquire(blocking=False)
+                    took.append(time.monotonic() - started)
+            finally:
+                masters[0].resume()
+        return took
+
+    took = run(main())
+    # An acquire waits out the paused master (0.2 s), the release does not.
+    assert all(t < 0.2 + 0.15 for t in took), took
+
+
+def test_a_dead_minority_is_no_matter_and_a_dead_majority_refuses(masters: ServerSet) -> None:
+    async def main() -> tuple[bool, bool, float]:
+        async with AsyncRedlock(masters.urls, ttl=5.0, retry_count=0) as rl:
+            masters[3].kill()
+            masters[4].kill()
+            lock = rl.lock("minority")
+            held = await lock.acquire(blocking=False)
+            await lock.release()
+            masters[2].kill()
+            started = time.monotonic()
+            refused = not await rl.lock("majority").acquire(blocking=False)
+            return held, refused, time.monotonic() - started
+
+    held, refused, took = run(main())
+    assert held and refused
+    assert took < 0.1 + 0.1
+
+
+def test_a_cancelled_acquire_retracts_what_it_may_have_taken(masters: ServerSet) -> None:
+    async def main() -> None:
+        async with AsyncRedlock(masters.urls, ttl=30.0, request_timeout=2.0) as rl:
+            warm = rl.lock("warm")
+            assert await warm.acquire(blocking=False)  # links made, then idle
+            await warm.release()
+            for server in masters:
+                server.pause()  # the SET is written, and answered only after the cancellation
+            task = asyncio.create_task(rl.lock("cancelled").acquire(blocking=False))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for server in masters:
+                server.resume()
+            await asyncio.sleep(0.3)  # the SETs run, then the retraction written behind them
+
+    run(main())
+    assert keys_on(masters) == [[]] * 5
+
+
+def test_leaving_async_with_by_cancellation_releases(masters: ServerSet) -> None:
+    async def main() -> bool:
+        async with AsyncRedlock(masters.urls, ttl=30.0, retry_count=0) as rl:
+            entered = asyncio.Event()
+
+            async def body() -> None:
+                async with rl.lock("body"):
+                    entered.set()
+                    await asyncio.sleep(60)
+
+            task = asyncio.create_task(body())
+            await entered.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return await rl.lock("body").acquire(blocking=False)
+
+    assert run(main())
+
+
+async def _max_lag(work: asyncio.Task[None] | None, seconds: float) -> float:
+    """The longest the loop was late for a 1 ms ticker while ``work`` ran (or for ``seconds``)."""
+    worst = 0.0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while (work is not None and not work.done()) or (work is None and loop.time() < end):
+        before = loop.time()
+        await asyncio.sleep(0.001)
+        worst = max(worst, loop.time() - before - 0.001)
+    return worst
+
+
+def test_nothing_blocks_the_event_loop(masters: ServerSet) -> None:
+    async def main() -> tuple[float, float]:
+        baseline = await _max_lag(None, 0.5)
+        masters[1].pause()  # connects to it wait on the loop, never in it
+        masters[2].kill()
+        try:
+            async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as rl:
+
+                async def work() -> None:
+                    for k in range(150):
+                        lock = rl.lock(f"lag{k % 3}", fenced=k % 2 == 0)
+                        if await lock.acquire(blocking=False):
+                            await lock.release()
+
+                async def everything() -> None:
+                    await asyncio.gather(*(work() for _ in range(3)))
+
+                task = asyncio.create_task(everything())
+                lag = await _max_lag(task, 0)
+                await task
+        finally:
+            masters[1].resume()
+        return baseline, lag
+
+    baseline, lag = run(main())
+    # Each step of the work is a few hundred microseconds of Python at most; a blocking connect
+    # or read would show as a lag of a request_timeout (0.2 s) or more.
+    assert lag < max(0.05, 5 * baseline), (baseline, lag)
+
+
+def test_aclose_leaves_no_task(masters: ServerSet) -> None:
+    async def main() -> set[asyncio.Task[object]]:
+        rl = AsyncRedlock(masters.urls, ttl=2.0, request_timeout=0.1)
+        held = rl.hold("kept")
+        assert await held.acquire(blocking=False)
+        masters[0].kill()  # its link lost: connects and a kept release's deliveries begin
+        await held.release()
+        await asyncio.sleep(0.15)
+        await rl.aclose()
+        return {t for t in asyncio.all_tasks() if t is not asyncio.current_task()}
+
+    assert run(main()) == set()
