@@ -288,9 +288,10 @@ def test_a_forked_child_may_take_its_parents_lock_only_anew(masters: ServerSet, 
     lock.release()
     report = read_report(read, pid)
     assert report.get("while_held") is False, report
-    # Refused by the parent's hold: a quorum said so and none granted (a loaded master may
-    # answer late: a timeout is not a grant).
-    assert report["votes"].count("held") >= len(masters) // 2 + 1 and "yes" not in report["votes"], report
+    # Refused by the parent's hold: no quorum granted. Not "none granted": the parent holds on a
+    # quorum, and a master that its acquire missed (a loaded one answering past the request
+    # timeout) grants the child's attempt, which is then retracted.
+    assert report["votes"].count("yes") < len(masters) // 2 + 1, report
     assert report["after"] is True and report["owned"] is True, report
     assert report["token"] != parents_token
     assert not lock.owned()
