@@ -172,17 +172,26 @@ def test_reentry_into_a_lost_lock_raises(masters: ServerSet) -> None:
         with pytest.raises(LockLost):
             lock.acquire(blocking=False)
         # Taken over meanwhile by another owner: still LockLost for the old one.
-        taker = in_thread(lambda: rl.lock("lost", ttl=5, reentrant=True).acquire(timeout=2))
-        assert taker
+        def take_over() -> tuple[bool, list[str]]:
+            taker = rl.lock("lost", ttl=5, reentrant=True)
+            got = taker.acquire(timeout=2)
+            holding = taker.holding()  # this thread's holding: the view answers its owner only
+            return got, [] if holding is None else [vote.kind for vote in holding.last_votes]
+
+        taken, votes = in_thread(take_over)
+        assert taken
         with pytest.raises(LockLost):
             lock.acquire(blocking=False)
-        # The taker holds on a quorum at least (a master where the old key outlived the others
-        # by a moment refused it: CI saw [[1], [1], [], [], [1]]).
-        taken = counts(masters, "redlock:lost")
-        assert sum(1 for held in taken if held == [1]) >= 3, taken
+        # The taker holds where it was granted, a quorum at least (a master where the old key
+        # outlived the others by a moment refused it: CI saw [[1], [1], [], [], [1]]). Where its
+        # vote came late, its own retraction is on its way: that key is not its (CI saw the
+        # snapshot taken before such a retraction landed).
+        granted = [i for i, kind in enumerate(votes) if kind == "yes"]
+        assert len(granted) >= 3, votes
         lock.release()  # the final exit of a lost holding sends a release that deletes nothing
         time.sleep(0.2)  # the release is sent, not waited for: what must not happen gets time to
-        assert counts(masters, "redlock:lost") == taken
+        after = counts(masters, "redlock:lost")
+        assert all(after[i] == [1] for i in granted), (votes, after)
 
 
 def test_mixing_kinds_is_a_clear_error(rl: Redlock, masters: ServerSet) -> None:
