@@ -116,9 +116,12 @@ def test_uncontended_fair_acquire_is_one_command_per_master(masters: ServerSet, 
     lock = rl.lock("free", ttl=5, fair=True)
     assert take(lock)
     assert lock.last_attempts == 1
-    for server in masters:
-        stats = server.client().info("commandstats")
-        assert stats["cmdstat_evalsha"]["calls"] == 1, stats  # one script, nothing before or after
+    # One script per master, nothing before or after it. A quorum answered it; a master whose
+    # link was not ready within the round (a loaded one) may have had none, never two.
+    calls = [
+        server.client().info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) for server in masters
+    ]
+    assert all(count <= 1 for count in calls) and calls.count(1) >= len(masters) // 2 + 1, calls
     lock.release()
     assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
 

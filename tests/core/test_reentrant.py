@@ -171,6 +171,7 @@ def test_reentry_into_a_lost_lock_raises(masters: ServerSet) -> None:
         assert wait_for(lambda: not lock.owned(), 2.0)
         with pytest.raises(LockLost):
             lock.acquire(blocking=False)
+
         # Taken over meanwhile by another owner: still LockLost for the old one.
         def take_over() -> tuple[bool, list[str]]:
             taker = rl.lock("lost", ttl=5, reentrant=True)
