@@ -2,6 +2,7 @@
 
 Run:  python benchmarks/bench_lock.py [--masters 1,3,5] [--iterations 3000] [--duration 10]
                                       [--processes 8] [--skip-degraded] [--transports fast,redis-py]
+      python benchmarks/bench_lock.py --async ...   (AsyncRedlock: see bench_async.py)
 
 The script starts its own masters (``celery_redlock.testing.ServerSet``; set
 ``CELERY_REDLOCK_SERVER_BIN`` to run another binary) and stops them when it ends.
@@ -366,6 +367,11 @@ def flush(servers: ServerSet) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--async" in argv:  # the asyncio lock has a benchmark of its own, with its own options
+        from bench_async import main as async_main
+
+        return async_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--masters", default="1,3,5", help="master counts to run, e.g. 1,3,5")
     parser.add_argument(

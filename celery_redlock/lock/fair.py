@@ -51,6 +51,7 @@ from .transport.commands import Command, Outcome, script_template
 
 if TYPE_CHECKING:
     from .redlock import Redlock
+    from .settings import Settings
 
 # (key, queue, deadlines, token, ttl ms, member, ticket, entry ttl ms, mode)
 ACQUIRE = script_template(scripts.FAIR_ACQUIRE, 3, 6)
@@ -71,51 +72,33 @@ class Entry:
     attempts: int = 0
 
 
-class FairLock(Lock):
-    """A :class:`Lock` whose waiters take it in arrival order (see the module docstring).
+class Queue:
+    """One fair lock's queue rules, whatever carries its rounds (the threaded :class:`FairLock`
+    and the asyncio ``AsyncFairLock`` each keep one): what an attempt sends, what its replies
+    teach, what retracts, leaves and releases."""
 
-    ``acquire(timeout=None)`` waits in the queue up to ``(retry_count + 1) * retry_delay``,
-    the longest a plain lock's retries take; pass a ``timeout`` to wait longer. A non-blocking
-    acquire never queues: it takes the lock only if it is free and nobody waits.
-    """
-
-    def __init__(
-        self,
-        redlock: Redlock,
-        name: str,
-        ttl: float | None = None,
-        *,
-        timeout: float | None = None,
-        blocking: bool = True,
-        holder: str = "",
-    ) -> None:
-        super().__init__(redlock, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
-        self._keys = (self.key, self.key + QUEUE_SUFFIX, self.key + DEADLINES_SUFFIX)
+    def __init__(self, redlock: Settings, key: str, ttl: float) -> None:
+        self.redlock = redlock
+        self.keys = (key, key + QUEUE_SUFFIX, key + DEADLINES_SUFFIX)
+        self.ttl = ttl
         # A waiter tries again at least every wait_poll when woken by releases, and within
         # retry_delay when it polls: its entry outlives either, several times over.
         self.entry_ttl = max(MIN_ENTRY_TTL, 4 * redlock.wait_poll, 2 * redlock.retry_delay)
-        self._member: str | None = None  # the member of the call that holds the lock
+        self.member: str | None = None  # the member of the call that holds the lock
 
-    def acquire(
-        self,
-        blocking: bool = True,
-        timeout: float | None = None,
-        *,
-        cancelled: Callable[[], bool] | None = None,
-    ) -> bool:
+    def timeout(self, blocking: bool, timeout: float | None) -> float | None:
+        """A blocking acquire without a timeout waits in the queue as long as a plain lock's
+        retries take (see ``FairLock``)."""
         if blocking and timeout is None:
-            timeout = (self.redlock.retry_count + 1) * self.redlock.retry_delay
-        return super().acquire(blocking, timeout, cancelled=cancelled)
+            return (self.redlock.retry_count + 1) * self.redlock.retry_delay
+        return timeout
 
-    def _entry(self) -> Entry:
+    def entry(self) -> Entry:
         return Entry(os.urandom(12).hex())
 
-    def _attempt(
-        self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
-    ) -> tuple[float, list[Vote], float]:
-        assert entry is not None
-        redlock = self.redlock
-        n = len(redlock.masters)
+    def acquires(self, token: str, entry: Entry) -> tuple[list[str], list[Command]]:
+        """One attempt's mode per master (probe, join or keep) and the command each is sent."""
+        n = len(self.redlock.masters)
         ttl_ms = milliseconds(self.ttl)
         entry_ms = milliseconds(self.entry_ttl)
         if not entry.ticket:
@@ -123,26 +106,14 @@ class FairLock(Lock):
         else:
             modes = ["keep" if i in entry.placed else "join" for i in range(n)]
         packed = {
-            mode: ACQUIRE.pack(*self._keys, token, ttl_ms, entry.member, entry.ticket, entry_ms, mode)
+            mode: ACQUIRE.pack(*self.keys, token, ttl_ms, entry.member, entry.ticket, entry_ms, mode)
             for mode in set(modes)
         }
-        seen: list[Outcome] = []
-        expiry.clear()
-        result = redlock.try_acquire(
-            self.key,
-            token,
-            self.ttl,
-            expiry=expiry,
-            acquires=[packed[mode] for mode in modes],
-            retraction=RELEASE.pack(*self._keys, token, entry.member, "0"),
-            seen=seen,
-        )
-        entry.attempts += 1
-        self._take_in(entry, modes, seen)
-        return result
+        return modes, [packed[mode] for mode in modes]
 
-    def _take_in(self, entry: Entry, modes: list[str], outcomes: list[Outcome]) -> None:
+    def take_in(self, entry: Entry, modes: list[str], outcomes: list[Outcome]) -> None:
         """Update ``entry`` from one attempt's replies: where it is queued, and its ticket."""
+        entry.attempts += 1
         after = 0
         gone = 0
         answered = 0
@@ -177,22 +148,93 @@ class FairLock(Lock):
         if not entry.ticket and after and answered >= self.redlock.quorum:
             entry.ticket = after
 
-    def _retraction(self, token: str, entry: Entry | None) -> Command | None:
-        assert entry is not None
-        return RELEASE.pack(*self._keys, token, entry.member, "0")
+    def retraction(self, token: str, entry: Entry) -> Command:
+        return RELEASE.pack(*self.keys, token, entry.member, "0")
 
-    def _granted(self, entry: Entry) -> None:
-        self._member = entry.member
-
-    def _joins_next(self, entry: Entry) -> bool:
+    def joins_next(self, entry: Entry) -> bool:
         # Probed and given a ticket, queued nowhere yet: the join goes at once, in both wait
         # modes, so arrival order is the order of the probes' quorums (the INVARIANT above).
         return bool(entry.ticket) and not entry.placed
 
-    def _leave(self, entry: Entry) -> None:
+    def leaving(self, entry: Entry) -> Command | None:
+        """What a call that ends without the lock sends (not waited for), if anything."""
         if entry.ticket:  # it may have joined somewhere (a timed-out join may have landed)
-            self.redlock.send_release(self.key, "", command=RELEASE.pack(*self._keys, "", entry.member, "1"))
+            return RELEASE.pack(*self.keys, "", entry.member, "1")
+        return None
+
+    def release(self, token: str) -> Command:
+        """What releases the held ``token``, and leaves the queue."""
+        member, self.member = self.member, None
+        return RELEASE.pack(*self.keys, token, member or "", "1")
+
+
+class FairLock(Lock):
+    """A :class:`Lock` whose waiters take it in arrival order (see the module docstring).
+
+    ``acquire(timeout=None)`` waits in the queue up to ``(retry_count + 1) * retry_delay``,
+    the longest a plain lock's retries take; pass a ``timeout`` to wait longer. A non-blocking
+    acquire never queues: it takes the lock only if it is free and nobody waits.
+    """
+
+    def __init__(
+        self,
+        redlock: Redlock,
+        name: str,
+        ttl: float | None = None,
+        *,
+        timeout: float | None = None,
+        blocking: bool = True,
+        holder: str = "",
+    ) -> None:
+        super().__init__(redlock, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
+        self._queue = Queue(redlock, self.key, self.ttl)
+        self.entry_ttl = self._queue.entry_ttl
+
+    def acquire(
+        self,
+        blocking: bool = True,
+        timeout: float | None = None,
+        *,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> bool:
+        return super().acquire(blocking, self._queue.timeout(blocking, timeout), cancelled=cancelled)
+
+    def _entry(self) -> Entry:
+        return self._queue.entry()
+
+    def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
+    ) -> tuple[float, list[Vote], float]:
+        assert entry is not None
+        modes, acquires = self._queue.acquires(token, entry)
+        seen: list[Outcome] = []
+        expiry.clear()
+        result = self.redlock.try_acquire(
+            self.key,
+            token,
+            self.ttl,
+            expiry=expiry,
+            acquires=acquires,
+            retraction=self._queue.retraction(token, entry),
+            seen=seen,
+        )
+        self._queue.take_in(entry, modes, seen)
+        return result
+
+    def _retraction(self, token: str, entry: Entry | None) -> Command | None:
+        assert entry is not None
+        return self._queue.retraction(token, entry)
+
+    def _granted(self, entry: Entry) -> None:
+        self._queue.member = entry.member
+
+    def _joins_next(self, entry: Entry) -> bool:
+        return self._queue.joins_next(entry)
+
+    def _leave(self, entry: Entry) -> None:
+        command = self._queue.leaving(entry)
+        if command is not None:
+            self.redlock.send_release(self.key, "", command=command)
 
     def _release_command(self, token: str) -> Command | None:
-        member, self._member = self._member, None
-        return RELEASE.pack(*self._keys, token, member or "", "1")
+        return self._queue.release(token)

@@ -19,6 +19,9 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+# Between a token's random part and the holder text stored with it (see Redlock.lock).
+HOLDER_SEPARATOR = "|"
+
 # The fields a run's record shares with every other run of its task in this process, in the
 # order they are written after the per-run ones (task, since), before the last (publish).
 _SHARED = ("name", "host", "pid", "proc", "ttl", "heartbeat", "queued", "published")
@@ -164,6 +167,20 @@ def describe_holder(text: str | None, at: float | None = None) -> str:
     if said == "an unnamed holder" and text:
         return repr(text)  # a label of one's own, or a record that names nobody: as it is
     return said
+
+
+def agreed(values: list[bytes | None], quorum: int) -> str | None:
+    """The holder text of the token a quorum of masters hold (each master's value of the lock
+    key, None where absent or not answered), "" if it was taken without one; None when no
+    quorum holds one token. The token's random part is dropped (it names nobody)."""
+    counts: dict[bytes, int] = {}
+    for value in values:
+        if value is not None:
+            counts[value] = counts.get(value, 0) + 1
+    for value, held in counts.items():
+        if held >= quorum:
+            return value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)[2]
+    return None
 
 
 def process_identity(pid: int | None = None) -> str | None:

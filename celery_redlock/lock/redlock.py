@@ -34,8 +34,9 @@ from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .fair import FairLock
 from .fencing import FencedLock
+from .holder import agreed
 from .reentrant import ReentrantLock
-from .resource import HOLDER_SEPARATOR, Lock, lock_key
+from .resource import Lock, lock_key
 from .rounds import drive
 from .settings import CLOCK_DRIFT_FLOOR, MAX_TTL, RedlockWarning, Settings, _min_ttl
 from .subscriber import Subscriber
@@ -391,16 +392,7 @@ class Redlock(Settings):
         """The ``holder`` text of the lock a quorum of masters holds on resource ``name`` ("" if
         it was taken without one), or None when no quorum holds one token (free, expiring, or
         not answering). One round; asked by a contender, never on the way to a lock."""
-        values = self.read_everywhere(lock_key(self.key_prefix, name))
-        counts: dict[bytes, int] = {}
-        for value in values:
-            if value is not None:
-                counts[value] = counts.get(value, 0) + 1
-        for value, held in counts.items():
-            if held >= self.quorum:
-                _, _, text = value.decode("utf-8", "replace").partition(HOLDER_SEPARATOR)
-                return text
-        return None
+        return agreed(self.read_everywhere(lock_key(self.key_prefix, name)), self.quorum)
 
     def holders(self, key: str) -> int:
         """How many masters hold ``key`` at all (by any token)."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from .._fork import on_fork_in_child, pid
 from ..errors import RedlockError, Vote
+from . import rooms
 from .clock import now
 from .commands import PLAIN, PLAIN_WAITING, Commands
 from .holder import describe_holder
@@ -38,7 +39,7 @@ from .state import (
 if TYPE_CHECKING:
     from .fair import Entry
     from .redlock import Redlock
-    from .subscriber import Waiter
+    from .rooms import Waiter
     from .transport.commands import Command
 
 logger = logging.getLogger("celery_redlock.redlock")
@@ -290,31 +291,17 @@ class Lock(LockState):
         free_at: float,
         cancelled: Callable[[], bool] | None,
     ) -> bool:
-        """Sleep after a refused attempt until a release may have freed a quorum; False when
-        ``cancelled`` said so.
-
-        The attempt was granted by ``yes`` masters (and retracted); ``quorum - yes`` of those
-        that refused it must free the key before a new attempt can win, so that many notices
-        are waited for. Waking on any one notice would make every split vote's retraction (each
-        retraction that deleted publishes) wake every waiter. Never longer than a jittered
-        ``wait_poll``: a notice may be lost; and no longer than a poll's delay when too few of
-        the refusing masters listened to wake it.
-        """
+        """Sleep after a refused attempt until a release may have freed a quorum (how long, and
+        for which notices: ``rooms.plan``); False when ``cancelled`` said so."""
         redlock = self.redlock
-        yes = sum(1 for vote in votes if vote.kind == "yes")
-        refusers = frozenset(i for i, vote in enumerate(votes) if vote.kind == "held")
-        needed = max(1, redlock.quorum - yes)
-        t = now()
-        # Also woken when the holder's lock runs out on a quorum (an abandoned lock expires).
-        until = min(deadline, free_at, t + random.uniform(0.5, 1.0) * redlock.wait_poll)
-        deaf_until = t + random.uniform(0, redlock.retry_delay)
-        woken = redlock._subscriber.sleep(self.key, waiter, refusers, needed, until, deaf_until, cancelled)
+        plan = rooms.plan(redlock, votes, deadline, free_at, now())
+        woken = redlock._subscriber.sleep(
+            self.key, waiter, plan.refusers, plan.needed, plan.until, plan.deaf_until, cancelled
+        )
         if woken == "cancelled":
             return False
-        if woken == "notice" and yes:
-            # After a split vote, the losers spread their next tries as polling does, but never
-            # past the bound a waiter keeps (wait_poll) nor unasked whether to go on.
-            spread = random.uniform(0, min(redlock.retry_delay, redlock.wait_poll / 2))
+        if woken == "notice" and plan.split:
+            spread = rooms.spread(redlock)
             return _nap(min(deadline, now() + spread), cancelled)
         return True
 

@@ -19,6 +19,7 @@ from .._fork import pid
 from .._validate import flag, wait_timeout
 from ..errors import ConfigError, LockKindMismatch, LockLost, LockNotAcquired, NotFenced, Vote
 from .clock import now
+from .holder import HOLDER_SEPARATOR as HOLDER_SEPARATOR  # importable here, as it always was
 
 if TYPE_CHECKING:
     from .settings import Settings
@@ -28,8 +29,6 @@ logger = logging.getLogger("celery_redlock.redlock")
 # Names longer than this are shortened to a readable head plus a digest of the whole name.
 MAX_NAME_LENGTH = 512
 
-# Between a token's random part and the holder text stored with it (see Redlock.lock).
-HOLDER_SEPARATOR = "|"
 
 # The keys some kinds of lock keep beside the lock key: a fair lock's queue and its entries'
 # deadlines (fair.py), a fenced lock's counter (fencing.py). No lock name may end in one, so no

@@ -4,21 +4,9 @@ The release script deletes the key and publishes on a channel named after it in 
 (see :mod:`.scripts`). A blocked ``Lock.acquire(timeout=...)`` joins the *room* of its key here,
 and sleeps until notices from enough masters arrive, instead of polling the masters.
 
-Words: a *notice* is one master's message "I just deleted this key"; a *room* is this process's
-subscription to one key's channel together with its local *waiters*; a master's subscription to a
-room is *confirmed* once the master acknowledged the SUBSCRIBE.
-
-INVARIANT (no waiter sleeps through a release it did not see): a waiter relies only on masters
-whose subscription was confirmed before its latest attempt began, and counts only notices that
-arrived after that attempt began (:meth:`Waiter.mark`). A confirmed master publishes every
-deletion of the key, in the same script, so each deletion after the attempt reached the master is
-followed by a notice to this process. A notice can still be lost (the listening link dropped, the
-master was blackholed); the waiter's sleep is then bounded by its fallback poll, and every
-(re)subscription counts as a notice from that master to every waiter of the room, since anything
-may have happened while it was not listening.
-
-One notice wakes one local waiter (the earliest in the room that can use it), not all of them: 20
-threads of one worker on one name cost one attempt per release, not 20.
+The words (notice, room, waiter, confirmed), the INVARIANT that no waiter sleeps through a
+release it did not see, and every rule of who is woken by what are :mod:`.rooms`' (shared with
+the asyncio subscriber); this module keeps them over blocking links, under one condition.
 
 Threads: one daemon thread, ``redlock-subscriber``, does all the I/O of the listening links (they
 are never shared with rounds: a subscribed connection answers only pushes). Waiters talk to it
@@ -40,7 +28,8 @@ from concurrent.futures import Future
 from typing import Any
 
 from .._fork import on_fork_in_child
-from . import waiting, wire
+from . import rooms, waiting, wire
+from .rooms import Room, Waiter
 from .transport.link import Link
 from .transport.master import Master
 from .transport.threads import spawn
@@ -61,32 +50,6 @@ SILENT_RETRY = 60.0
 BACKOFF_FLOOR = 0.05
 BACKOFF_CAP = 1.0
 _CLOSED = select.POLLHUP | select.POLLERR | select.POLLNVAL | getattr(select, "POLLRDHUP", 0)
-
-
-class Waiter:
-    """One blocked acquisition's place in a room: the masters it was noticed by since its mark."""
-
-    __slots__ = ("confirmed", "credits", "member", "refusers")
-
-    def __init__(self, member: bytes | None = None) -> None:
-        # A fair waiter's member (see fair.py): it is woken only by notices naming it (or '*');
-        # any other waiter by every notice.
-        self.member = member
-        self.credits: set[int] = set()
-        # The masters whose refusal the waiter waits to see end (None: any master, until its
-        # attempt says which refused), and those confirmed before its attempt began.
-        self.refusers: frozenset[int] | None = None
-        self.confirmed: frozenset[int] = frozenset()
-
-
-class _Room:
-    __slots__ = ("confirmed", "empty_since", "key", "waiters")
-
-    def __init__(self, key: bytes) -> None:
-        self.key = key
-        self.waiters: list[Waiter] = []
-        self.confirmed: set[int] = set()  # masters that acknowledged the SUBSCRIBE
-        self.empty_since: float | None = None
 
 
 class _Listener:
@@ -129,7 +92,7 @@ class Subscriber:
         # Also the fork handler: the parent's links, thread and wake-up socket are dropped
         # unused (closing them here could shut the parent's connections down).
         self._cond = threading.Condition()
-        self._rooms: dict[bytes, _Room] = {}
+        self._rooms: dict[bytes, Room] = {}
         self._listeners = [_Listener(i, m) for i, m in enumerate(self._masters)]
         self._thread: threading.Thread | None = None
         self._wake_pair: tuple[socket.socket, socket.socket] | None = None
@@ -145,7 +108,7 @@ class Subscriber:
         with self._cond:
             room = self._rooms.get(channel)
             if room is None:
-                room = self._rooms[channel] = _Room(channel)
+                room = self._rooms[channel] = Room(channel)
             room.waiters.append(waiter)
             room.empty_since = None
             self._start()
@@ -167,10 +130,7 @@ class Subscriber:
         """Call just before an attempt: notices before this point are forgotten; the masters
         confirmed now are those the attempt may rely on."""
         with self._cond:
-            room = self._rooms.get(key.encode())
-            waiter.credits.clear()
-            waiter.refusers = None
-            waiter.confirmed = frozenset(room.confirmed) if room is not None else frozenset()
+            rooms.mark(self._rooms.get(key.encode()), waiter)
 
     def sleep(
         self,
@@ -185,25 +145,21 @@ class Subscriber:
         """Sleep until notices from ``needed`` of ``refusers`` arrived since the mark (returns
         ``"notice"``), ``until`` passes (``"time"``), or ``cancelled()`` says so (``"cancelled"``).
 
-        When fewer than ``needed`` refusers were confirmed listeners at the mark, their notices
-        cannot all come: the sleep ends by ``deaf_until`` (the caller's poll delay) instead, so
-        a waiter without listeners is never slower than a polling one. A subscription confirmed
-        meanwhile still counts as a notice and ends it sooner.
+        Bounded by ``deaf_until`` when too few refusers listened (``rooms.sleep_bound``); a
+        subscription confirmed meanwhile still counts as a notice and ends it sooner.
         """
         with self._cond:
-            waiter.refusers = refusers
-            if len(refusers & waiter.confirmed) < needed:
-                until = min(until, deaf_until)
+            until = rooms.sleep_bound(waiter, refusers, needed, until, deaf_until)
         while True:
             with self._cond:
-                if len(waiter.credits & refusers) >= needed:
+                if waiter.woken(refusers, needed):
                     return "notice"
                 remaining = until - time.monotonic()
                 if remaining <= 0:
                     return "time"
                 # Slices of at most 0.5 s, so a cancellation is seen soon.
                 self._cond.wait(min(remaining, 0.5))
-                if len(waiter.credits & refusers) >= needed:
+                if waiter.woken(refusers, needed):
                     return "notice"
             # Asked without the condition held: the callable is the caller's, and may take locks
             # of its own (a thread holding one of those may be joining a room meanwhile).
@@ -212,11 +168,7 @@ class Subscriber:
 
     def leave(self, key: str, waiter: Waiter) -> None:
         with self._cond:
-            room = self._rooms.get(key.encode())
-            if room is not None and waiter in room.waiters:
-                room.waiters.remove(waiter)
-                if not room.waiters:
-                    room.empty_since = time.monotonic()
+            rooms.leave(self._rooms.get(key.encode()), waiter, time.monotonic())
 
     def close(self) -> None:
         """Stop the thread, which closes the listening links; a later join starts it again."""
@@ -286,13 +238,7 @@ class Subscriber:
 
     def _plan(self, now: float) -> tuple[set[bytes], set[bytes]]:
         """The channels to be subscribed, and those whose rooms lingered empty long enough."""
-        gone = {
-            key
-            for key, room in self._rooms.items()
-            if room.empty_since and now - room.empty_since > ROOM_LINGER
-        }
-        for key in gone:
-            del self._rooms[key]
+        gone = rooms.lingered(self._rooms, now, ROOM_LINGER)
         return set(self._rooms), gone
 
     def _tend(self, listener: _Listener, subscribe: set[bytes], unsubscribe: set[bytes], now: float) -> None:
@@ -359,8 +305,7 @@ class Subscriber:
         if link is not None:
             link.close()
         with self._cond:
-            for room in self._rooms.values():
-                room.confirmed.discard(listener.index)
+            rooms.deaf(self._rooms.values(), listener.index)
             self._cond.notify_all()
 
     def _poll_once(self) -> None:
@@ -413,43 +358,15 @@ class Subscriber:
 
     def _dispatch(self, listener: _Listener, push: Any) -> None:
         """One push from ``listener``'s master (call holding the condition)."""
-        if push == b"PONG":  # a link with nothing subscribed answers PING as any connection does
+        handle = rooms.dispatch(self._rooms, listener.index, push)
+        if handle == "pong":
             listener.ping_sent = 0.0
-            return
-        if not isinstance(push, list) or not push:
-            if isinstance(push, wire.ReplyError):
-                # NOPERM (an ACL without SUBSCRIBE), say: this master stays silent, its waiters
-                # poll as without it, and no join waits for its confirmation meanwhile.
-                listener.master.refused("refused SUBSCRIBE on a listening link", push)
-                self._fail(listener, ConnectionError(str(push)))
-                listener.retry_at = time.monotonic() + SILENT_RETRY
-            return
-        kind = push[0]
-        if kind == b"message" and len(push) == 3:
-            self._notice(listener.index, push[1], push[2])
-        elif kind == b"subscribe" and len(push) == 3:
-            room = self._rooms.get(push[1])
-            if room is not None:
-                room.confirmed.add(listener.index)
-                # Whatever happened before this master listened is unknown: a notice to all.
-                for waiter in room.waiters:
-                    waiter.credits.add(listener.index)
-        elif kind == b"pong":
-            listener.ping_sent = 0.0
-
-    def _notice(self, i: int, channel: bytes, payload: bytes) -> None:
-        """A release notice from master i on ``channel``: one credit to the earliest waiter of
-        its room that can use it, only (call holding the condition)."""
-        room = self._rooms.get(channel)
-        if room is None:
-            return
-        named = payload if payload != b"*" else None  # a fair release names the new head
-        for waiter in room.waiters:
-            if named is not None and waiter.member is not None and waiter.member != named:
-                continue
-            if i not in waiter.credits and (waiter.refusers is None or i in waiter.refusers):
-                waiter.credits.add(i)
-                return
+        elif handle == "error":
+            # NOPERM (an ACL without SUBSCRIBE), say: this master stays silent, its waiters
+            # poll as without it, and no join waits for its confirmation meanwhile.
+            listener.master.refused("refused SUBSCRIBE on a listening link", push)
+            self._fail(listener, ConnectionError(str(push)))
+            listener.retry_at = time.monotonic() + SILENT_RETRY
 
 
 def _close_result(future: Future[Link]) -> None:

@@ -135,6 +135,12 @@ def test_scripts_lost_by_every_master_are_sent_again(masters: ServerSet) -> None
                 client.close()
             assert await lock.extend()  # EVALSHA -> NOSCRIPT -> EVAL, on each master
             assert await lock.release()
+            # release() returns once a quorum answered; the others' EVAL is on its way (waited
+            # for here, before aclose() closes the links it travels on).
+            for _ in range(100):
+                if keys_on(masters) == [[]] * 5:
+                    break
+                await asyncio.sleep(0.01)
 
     run(main())
     assert keys_on(masters) == [[]] * 5

@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from ...errors import ConfigError
-from ..rounds import Call, Interrupted, Request, Send, Steps
+from ..rounds import Call, CallMany, Interrupted, Request, Send, Steps
 from ..transport.commands import LATE, NOT_AWAITED, NOT_SENT, Command, Outcome, pack_command
 from ..transport.identity import identify
 from ..transport.master import Master
+from .deadlines import Deadlines
 from .handshake import check_options, open_link
 from .link import Entry, Link, Sink
 from .site import Site
@@ -42,9 +43,9 @@ class Gather(Sink):
 
     __slots__ = ("enough", "future", "good", "missing", "results")
 
-    def __init__(self, count: int, enough: int) -> None:
+    def __init__(self, count: int, enough: int, missing: int | None = None) -> None:
         self.results: list[Outcome | None] = [None] * count
-        self.missing = count
+        self.missing = count if missing is None else missing  # the slots that wait for a reply
         self.enough = enough
         self.good = 0
         self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -77,20 +78,37 @@ class AsyncExchange:
         self._links: list[Link | None] = [None] * n
         # A connect this exchange waits for, per master, and what waits to be written on its link.
         self._connecting: list[asyncio.Task[Link] | None] = [None] * n
-        self._queued: list[list[tuple[bytes, list[Entry]]]] = [[] for _ in range(n)]
-        self._failures: list[str] = [""] * n
+        self._queued: dict[int, list[tuple[bytes, list[Entry]]]] = {}
+        self._failures: dict[int, str] = {}  # why master i has no link (made when it has none)
         self._closed = False
 
     async def call(
         self, commands: Sequence[Command | None], timeout: float, *, keep: bool = False, enough: int = 0
     ) -> list[Outcome]:
-        batches = [() if command is None else (command,) for command in commands]
-        results = await self.call_many(batches, timeout, keep=keep, enough=enough)
-        return [got[0] if got else NOT_SENT for got in results]
+        """``Exchange.call``: ``commands[i]`` to master i (None: not sent), one outcome each.
+        The hot path of every round: one command per master, no batches built."""
+        deadline = time.monotonic() + timeout
+        self._check_refusal()
+        gather = Gather(len(commands), enough, len(commands) - commands.count(None))
+        results = gather.results
+        for i, command in enumerate(commands):
+            if command is None:
+                results[i] = NOT_SENT
+            else:
+                packed = pack_command(command)
+                self._write(i, packed, [Entry(gather, i, packed, keep)])
+        if gather.missing and not (enough and gather.good >= enough):
+            self._transport.deadlines.watch(deadline, gather)
+            await gather.future
+        else:
+            gather.expire()  # nothing to wait for: whatever comes later is late
+        late = NOT_AWAITED if enough else LATE
+        return [outcome or late for outcome in results]
 
     async def call_many(
         self, batches: Sequence[Sequence[Command]], timeout: float, *, keep: bool = False, enough: int = 0
     ) -> list[list[Outcome]]:
+        """``Exchange.call_many``: every command of ``batches[i]`` to master i, pipelined."""
         deadline = time.monotonic() + timeout
         self._check_refusal()
         offsets = []
@@ -101,16 +119,14 @@ class AsyncExchange:
         gather = Gather(total, enough)
         for i, batch in enumerate(batches):
             if batch:
-                self._write(i, batch, gather, offsets[i], keep)
-        if gather.missing and not (gather.enough and gather.good >= gather.enough):
-            loop = asyncio.get_running_loop()
-            timer = loop.call_at(loop.time() + max(0.0, deadline - time.monotonic()), gather.expire)
-            try:
-                await gather.future
-            finally:
-                timer.cancel()
+                packed = [pack_command(command) for command in batch]
+                entries = [Entry(gather, offsets[i] + j, data, keep) for j, data in enumerate(packed)]
+                self._write(i, b"".join(packed), entries)
+        if gather.missing and not (enough and gather.good >= enough):
+            self._transport.deadlines.watch(deadline, gather)
+            await gather.future
         else:
-            gather.expire()
+            gather.expire()  # nothing to wait for: whatever comes later is late
         late = NOT_AWAITED if enough else LATE
         results = gather.results
         return [
@@ -121,12 +137,12 @@ class AsyncExchange:
         """Write ``commands[i]`` to master i; nobody waits (see the module docstring)."""
         for i, command in enumerate(commands):
             if command is not None:
-                self._write(i, (command,), None, 0, True)
+                packed = pack_command(command)
+                self._write(i, packed, [Entry(None, 0, packed, True)])
 
-    def _write(self, i: int, batch: Sequence[Command], sink: Gather | None, offset: int, keep: bool) -> None:
-        packed = [pack_command(command) for command in batch]
-        entries = [Entry(sink, offset + j, packed[j], keep) for j in range(len(batch))]
-        data = b"".join(packed)
+    def _write(self, i: int, data: bytes, entries: list[Entry]) -> None:
+        """Write ``data`` (the packed commands of ``entries``) to master i: on its link, else
+        once its connect ends, else the votes fail now and the releases are kept."""
         link = self._links[i]
         if link is None and self._connecting[i] is None:
             link = self._link(i)
@@ -134,9 +150,9 @@ class AsyncExchange:
             link.write(data, entries)
             return
         if self._connecting[i] is not None:
-            self._queued[i].append((data, entries))
+            self._queued.setdefault(i, []).append((data, entries))
             return
-        self._unwritten(i, entries, self._failures[i] or "no connection")
+        self._unwritten(i, entries, self._failures.get(i) or "no connection")
 
     def _link(self, i: int) -> Link | None:
         """Master i's link for this exchange: an idle one, else a connect is begun (None)."""
@@ -158,14 +174,14 @@ class AsyncExchange:
         """Master i's connect ended: what waited for it is written on its link, but a vote its
         caller no longer waits for (written late, it could land after its retraction)."""
         self._connecting[i] = None
-        queued, self._queued[i] = self._queued[i], []
+        queued = self._queued.pop(i, [])
         link = None if task.cancelled() or task.exception() is not None else task.result()
         if link is None:
             exc = None if task.cancelled() else task.exception()
             error = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
-            self._failures[i] = self._sites[i].down_reason or error
+            self._failures[i] = why = self._sites[i].down_reason or error
             for _, entries in queued:
-                self._unwritten(i, entries, self._failures[i])
+                self._unwritten(i, entries, why)
             return
         for data, entries in queued:
             _write_wanted(link, data, entries)
@@ -191,10 +207,11 @@ class AsyncExchange:
 
     def close(self) -> None:
         self._closed = True
-        links, self._links = self._links, [None] * len(self._sites)
-        for site, link in zip(self._sites, links, strict=True):
+        links = self._links
+        for i, link in enumerate(links):
             if link is not None:
-                site.give_back(link)
+                links[i] = None
+                self._sites[i].give_back(link)
 
     def __enter__(self) -> AsyncExchange:
         return self
@@ -220,13 +237,19 @@ class AsyncTransport:
             check_options(master)
         self.masters = list(masters)
         self.tasks: set[asyncio.Task[Any]] = set()
+        self.deadlines = Deadlines()  # every call's deadline, on one timer
         self.sites = [Site(i, m, request_timeout, self._open, self.tasks) for i, m in enumerate(masters)]
 
     def round(self) -> AsyncExchange:
         return AsyncExchange(self)
 
     async def _open(self, site: Site, deadline: float) -> Link:
-        link = await open_link(site, deadline)
+        return await self.open(site, deadline)
+
+    async def open(self, site: Site, deadline: float, load_scripts: bool = True) -> Link:
+        """A new link to ``site``'s master by ``deadline``, handshake answered and identity
+        checked (a listening link passes ``load_scripts=False``)."""
+        link = await open_link(site, deadline, load_scripts)
         refusal = identify(self.masters, site.index, link)  # one server never votes twice
         if refusal:
             raise ConnectionError(refusal)
@@ -235,6 +258,7 @@ class AsyncTransport:
 
     async def aclose(self) -> None:
         """Close every link and end every task of ours (connects, deliveries)."""
+        self.deadlines.close()
         for site in self.sites:
             site.close()
         tasks = list(self.tasks)
@@ -246,35 +270,41 @@ class AsyncTransport:
             site.close()  # what a connect finished meanwhile
 
 
-async def drive(steps: Steps[T], exchange: AsyncExchange, request: Request | None = None) -> T:
-    """Run an operation of :mod:`..rounds` over ``exchange``; what it returns.
+async def drive(
+    steps: Steps[T], exchange: AsyncExchange, request: Request | None = None, *, close: bool = False
+) -> T:
+    """Run an operation of :mod:`..rounds` over ``exchange``; what it returns (``close``: and
+    close the exchange then, as ``with exchange:`` would).
 
     Cancelled while a request is out, the operation is told (:class:`~..rounds.Interrupted`),
     and what it sends to undo the round in flight is written before the cancellation goes on
     (``send`` does not wait, so no second cancellation can stop it)."""
-    if request is None:
-        request = next(steps)
-    while True:
-        try:
-            reply = await _perform(request, exchange)
-        except asyncio.CancelledError:
-            _undo(steps, exchange)
-            raise
-        try:
-            request = steps.send(reply)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
-
-
-async def _perform(request: Request, exchange: AsyncExchange) -> Any:
-    if isinstance(request, Call):
-        return await exchange.call(
-            request.commands, request.timeout, keep=request.keep, enough=request.enough
-        )
-    if isinstance(request, Send):
-        exchange.send(request.commands, request.timeout)
-        return None
-    return await exchange.call_many(request.batches, request.timeout)
+    try:
+        if request is None:
+            request = next(steps)
+        while True:
+            reply: Any = None
+            try:
+                # Dispatched here, not in a helper coroutine: one coroutine less per request.
+                if type(request) is Call:
+                    reply = await exchange.call(
+                        request.commands, request.timeout, keep=request.keep, enough=request.enough
+                    )
+                elif type(request) is Send:
+                    exchange.send(request.commands, request.timeout)
+                else:
+                    assert isinstance(request, CallMany)
+                    reply = await exchange.call_many(request.batches, request.timeout)
+            except asyncio.CancelledError:
+                _undo(steps, exchange)
+                raise
+            try:
+                request = steps.send(reply)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+    finally:
+        if close:
+            exchange.close()
 
 
 def _undo(steps: Steps[Any], exchange: AsyncExchange) -> None:

@@ -48,9 +48,10 @@ def check_options(master: Master) -> None:
         raise ConfigError(f"masters: {master.name}: TLS (rediss://) is not supported by AsyncRedlock yet")
 
 
-async def open_link(site: Site, deadline: float) -> Link:
+async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> Link:
     """A new link to ``site``'s master by ``deadline`` (see the module docstring); raises
-    ``ConnectionError`` (or ``TimeoutError``, ``OSError``) and leaves nothing open."""
+    ``ConnectionError`` (or ``TimeoutError``, ``OSError``) and leaves nothing open.
+    ``load_scripts``: it also loads every script (a listening link, which runs none, does not)."""
     master = site.master
     if master.unfit or master.refusal:
         raise ConnectionError(master.unfit or master.refusal)
@@ -69,7 +70,7 @@ async def open_link(site: Site, deadline: float) -> Link:
     await asyncio.wait_for(opening, remaining)
     try:
         commands = handshake_commands(conn)
-        loads = script_loads()
+        loads = script_loads() if load_scripts else []
         everything = [*commands, *loads]
         replies = _Replies(len(everything))
         link.write(
@@ -81,8 +82,8 @@ async def open_link(site: Site, deadline: float) -> Link:
             await asyncio.wait_for(asyncio.shield(replies.done), max(0.0, remaining))
         except asyncio.TimeoutError:
             raise Silent(
-                f"accepted the connection and did not answer within {remaining:.2f} s (a connect's "
-                "bound: request_timeout; a paused or overloaded server, or no Redis server)"
+                f"accepted the connection and did not answer within {site.request_timeout:g} s (a "
+                "connect's bound: request_timeout; a paused or overloaded server, or no Redis server)"
             ) from None
         values = [_value(outcome) for outcome in replies.values]
         answers, loaded = values[: len(commands)], values[len(commands) :]

@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..._fork import pid
 from ..._validate import flag
-from ...errors import RedlockError, Vote
+from ...errors import LockNotAcquired, RedlockError, Vote
+from .. import rooms
 from ..clock import now
-from ..commands import PLAIN, Commands
+from ..commands import PLAIN, PLAIN_WAITING, Commands
 from ..fencing import fenced_attempt
 from ..heartbeat import MIN_RETRY, RETRY_FRACTION, longest_interval
+from ..holder import describe_holder
+from ..rooms import Waiter
+from ..rounds import attempt
 from ..state import LockState, check_wait, raise_on_kind
+from ..transport.commands import Command
 
 if TYPE_CHECKING:
     from .redlock import AsyncRedlock
@@ -41,6 +47,8 @@ class AsyncLock(LockState):
     ``Lock``'s do. With ``keepalive``, ``lost`` is set once the lock is lost."""
 
     _commands: Commands = PLAIN  # what it is taken, extended and released with
+    # What its attempts send while it waits (refusals then answer the holder's PTTL).
+    _waiting_commands: Commands = PLAIN_WAITING
 
     def __init__(
         self,
@@ -83,66 +91,139 @@ class AsyncLock(LockState):
 
     # -- acquire --------------------------------------------------------------------------------------
     async def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        """Take the lock; True once held (``Lock.acquire``'s arguments and waits, polling: a
-        refused attempt is tried again after a random delay in ``[0, retry_delay)``, and no
-        later than when a quorum's keys could have expired)."""
+        """Take the lock; True once held. ``Lock.acquire``'s arguments and waits: without a
+        ``timeout``, a refused attempt is tried again after a random delay in
+        ``[0, retry_delay)``, ``retry_count`` times; with one, the wait is woken by the holder's
+        release when the AsyncRedlock's ``wait`` is ``"release"`` (trying again at least every
+        ``wait_poll``, and when a quorum's keys could have expired), else it polls. Returns by
+        the timeout plus one round's ``request_timeout``."""
         if timeout is not None or (blocking is not True and blocking is not False):
             timeout = check_wait(blocking, timeout)
         if self.owned():
             raise RedlockError(f"lock {self.name!r} is already held by this AsyncLock")
+        subscriber = self.redlock.subscriber
         deadline = None if timeout is None else now() + timeout
         attempts = 0
-        while True:
-            attempts += 1
-            votes = await self._take(attempts)
-            if votes is None:
-                self._start_keeper()
-                return True
-            if not blocking:
-                return False
-            delay = self._pause(attempts, deadline)
-            if delay is None:
-                return False
-            await asyncio.sleep(delay)
+        waiter: Waiter | None = None  # set once this call waits in a room (see _pause)
+        expiry: list[float] = []  # when a waiting attempt found a quorum could be free
+        entry = self._entry()  # this call's place in a queue (a fair lock's); None here
+        acquired = False
+        try:
+            while True:
+                attempts += 1
+                if waiter is not None:
+                    subscriber.mark(self.key, waiter)
+                votes = await self._take(attempts, waiter is not None, expiry, entry)
+                if votes is None:
+                    acquired = True
+                    self._start_keeper()
+                    return True
+                if not blocking:
+                    return False
+                go_on, waiter = await self._pause(attempts, deadline, waiter, votes, expiry, entry)
+                if not go_on:
+                    return False
+        finally:
+            # Also on a cancellation: neither needs an await (see AsyncExchange.send).
+            if waiter is not None:
+                subscriber.leave(self.key, waiter)
+            if entry is not None and not acquired:
+                self._leave(entry)
 
-    def _pause(self, attempts: int, deadline: float | None) -> float | None:
-        """How long to wait before the next attempt (None: give up), by ``Lock._pause``'s rules
-        for a polling wait."""
+    async def _pause(
+        self,
+        attempts: int,
+        deadline: float | None,
+        waiter: Waiter | None,
+        votes: list[Vote],
+        expiry: list[float],
+        entry: Any,
+    ) -> tuple[bool, Waiter | None]:
+        """After a refused attempt of a blocking call, by ``Lock._pause``'s rules: whether to try
+        again (once this returns), and the room this call waits in from now on."""
         redlock = self.redlock
         if deadline is None:
-            return None if attempts > redlock.retry_count else random.uniform(0, redlock.retry_delay)
+            if attempts > redlock.retry_count:
+                return False, waiter
+            await asyncio.sleep(random.uniform(0, redlock.retry_delay))
+            return True, waiter
         left = deadline - now()
         if left <= 0:
-            return None
-        return min(left, random.uniform(0, redlock.retry_delay))
+            return False, waiter
+        if redlock.wait == "poll":
+            # A fair waiter that has just learned its ticket joins at once (see fair.py).
+            if entry is None or not self._joins_next(entry):
+                await asyncio.sleep(min(left, random.uniform(0, redlock.retry_delay)))
+            return True, waiter
+        if waiter is None:
+            # The first refusal: join the key's room, then try again at once (the holder may
+            # have released while we subscribed; its notice would predate our mark).
+            room = now() + min(left, redlock.request_timeout)
+            member = getattr(entry, "member", None)
+            return True, await redlock.subscriber.join(self.key, room, member)
+        plan = rooms.plan(redlock, votes, deadline, expiry[0] if expiry else math.inf, now())
+        woken = await redlock.subscriber.sleep(waiter, plan)
+        if woken and plan.split:
+            await asyncio.sleep(max(0.0, min(deadline - now(), rooms.spread(redlock))))
+        return True, waiter
 
-    async def _take(self, attempts: int) -> list[Vote] | None:
+    async def _take(self, attempts: int, waiting: bool, expiry: list[float], entry: Any) -> list[Vote] | None:
         """One attempt with a new token: None once held, else the votes that refused it."""
         token = self._new_token()
         async with self._op:
             started = now()
-            fence = 0
-            if self.fenced:
-                steps = fenced_attempt(self.redlock, self.key, token, self.ttl)
-                validity, votes, elapsed, fence = await self.redlock.run(steps)
-            else:
-                validity, votes, elapsed = await self.redlock.try_acquire(
-                    self.key, token, self.ttl, self._commands
-                )
+            validity, votes, elapsed, fence = await self._attempt(token, waiting, expiry, entry)
             self.last_votes = votes
             if validity > 0:
                 if self._grant(token, started, attempts, elapsed):
                     self._fence = fence if self.fenced else None
+                    self._granted(entry)
                     self.lost.clear()
                     return None
                 # Granted, but run out before it was looked at: retracted as a failed attempt.
-                self.redlock.send_release(self._commands_release(token))
+                self.redlock.send_release(self._retraction(token, entry))
         raise_on_kind(self.name, votes)
         self._failed(votes, attempts, elapsed, validity)
         return votes
 
-    def _commands_release(self, token: str) -> bytes:
-        """What releases ``token``: a plain lock's (and a fenced one's) release."""
+    # -- what a kind of lock does differently (plain and fenced here; see fair.py) ------------------
+    def _entry(self) -> Any:
+        """A new acquire call's place in the resource's queue; None but for a fair lock."""
+        return None
+
+    async def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Any
+    ) -> tuple[float, list[Vote], float, int]:
+        """One attempt with ``token``: (validity, votes, elapsed, fence). A waiting attempt's
+        refusals carry the holder's PTTL, gathered in ``expiry``."""
+        redlock = self.redlock
+        if self.fenced:
+            fenced = fenced_attempt(redlock, self.key, token, self.ttl, expiry if waiting else None)
+            return await redlock.run(fenced)
+        if not waiting:
+            steps = attempt(redlock, self.key, token, self.ttl, self._commands)
+        else:
+            expiry.clear()
+            steps = attempt(redlock, self.key, token, self.ttl, self._waiting_commands, expiry)
+        validity, votes, elapsed = await redlock.run(steps)
+        return validity, votes, elapsed, 0
+
+    def _retraction(self, token: str, entry: Any) -> Command:
+        """What deletes a granted attempt's ``token``."""
+        return self._commands_release(token)
+
+    def _granted(self, entry: Any) -> None:
+        """Called holding the mutex once ``entry``'s call acquired the lock."""
+
+    def _joins_next(self, entry: Any) -> bool:
+        """Whether ``entry``'s next attempt must follow at once (a fair waiter's join)."""
+        return False
+
+    def _leave(self, entry: Any) -> None:
+        """Called when ``entry``'s call ends without the lock (nothing awaited)."""
+
+    def _commands_release(self, token: str) -> Command:
+        """What releases the held ``token`` (a plain lock's, and a fenced one's, release)."""
         return self._commands.release.pack(self.key, token)
 
     # -- extend and release ---------------------------------------------------------------------------
@@ -222,9 +303,7 @@ class AsyncLock(LockState):
     # -- async with -----------------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncLock:
         if not await self.acquire(self._blocking, self._timeout):
-            error = self.last_error
-            assert error is not None
-            raise error
+            raise await named(self.redlock, self.name, self.last_error)
         return self
 
     async def __aexit__(
@@ -234,3 +313,14 @@ class AsyncLock(LockState):
         tb: TracebackType | None,
     ) -> None:
         await self.release()
+
+
+async def named(redlock: AsyncRedlock, name: str, error: LockNotAcquired | None) -> LockNotAcquired:
+    """``error``, saying who holds the lock when another holder refused it (one more round, on
+    the failure path only), as the threaded ``with`` raises it."""
+    assert error is not None
+    if error.held_by_other:
+        text = await redlock.holder(name)
+        if text is not None:
+            return error.naming(describe_holder(text))
+    return error

@@ -10,19 +10,23 @@ and nothing of it outlives :meth:`AsyncRedlock.aclose`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 from ..._validate import flag
 from ...errors import ConfigError, Vote
 from .. import rounds
 from ..commands import PLAIN, Commands
+from ..holder import agreed
 from ..rounds import Steps
 from ..settings import Settings
+from ..state import lock_key
 from ..transport.commands import Command
 from .exchange import AsyncTransport, drive
+from .fair import AsyncFairLock
 from .lock import AsyncLock
 from .reentrant import AsyncReentrantLock
+from .subscriber import AsyncSubscriber
 
 T = TypeVar("T")
 
@@ -32,10 +36,12 @@ class AsyncRedlock(Settings):
 
     Takes ``Redlock``'s settings (``ttl``, ``retry_count``, ``retry_delay``, ``drift_factor``,
     ``request_timeout``, ``key_prefix``, ``wait``, ``wait_poll``, ``fence_retention``), with the
-    same meaning and checks; ``masters`` are ``redis://`` or ``unix://`` URLs (or ``redis.Redis``
-    clients, whose options are read). Connections are made on first use, in the running loop:
-    an AsyncRedlock serves one event loop. ``await aclose()`` (or ``async with``) closes every
-    connection and ends every task it started (connects, keep-alives, deliveries of releases).
+    same meaning and checks (``wait="release"``: an acquire with a timeout is woken by the
+    holder's release, over one listening connection per master made at the first wait).
+    ``masters`` are ``redis://`` or ``unix://`` URLs (or ``redis.Redis`` clients, whose options
+    are read). Connections are made on first use, in the running loop: an AsyncRedlock serves
+    one event loop. ``await aclose()`` (or ``async with``) closes every connection and ends
+    every task it started (connects, keep-alives, listening links, deliveries of releases).
     """
 
     def __init__(self, masters: Iterable[str | Any], **settings: Any) -> None:
@@ -43,6 +49,8 @@ class AsyncRedlock(Settings):
             raise ConfigError("AsyncRedlock has one transport, asyncio")
         super().__init__(masters, **settings)
         self.transport = AsyncTransport(self.masters, self.request_timeout)
+        # The waiters' listening links; nothing is connected, and no task runs, until a wait.
+        self.subscriber = AsyncSubscriber(self.transport, self.request_timeout)
         self._closed = False
         self.keepalives: set[asyncio.Task[None]] = set()  # the held locks' (see AsyncLock)
         # The reentrant locks' holdings: (key, owner) -> [inner lock, depth] (see reentrant.py).
@@ -60,6 +68,7 @@ class AsyncRedlock(Settings):
         blocking: bool = True,
         holder: str = "",
         reentrant: bool = False,
+        fair: bool = False,
         fenced: bool = False,
         keepalive: bool = False,
     ) -> AsyncLock | AsyncReentrantLock:
@@ -67,12 +76,24 @@ class AsyncRedlock(Settings):
         ``Redlock.lock``'s arguments. ``keepalive=True``: while held, a task of its own extends it
         every third of its TTL, and sets ``lock.lost`` (an ``asyncio.Event``) if it is lost.
         ``reentrant=True``: an :class:`~.reentrant.AsyncReentrantLock`, re-entered by the asyncio
-        task that holds it."""
-        for option, value in (("fenced", fenced), ("keepalive", keepalive), ("reentrant", reentrant)):
+        task that holds it. ``fair=True``: an :class:`~.fair.AsyncFairLock`, whose waiters take it
+        in arrival order."""
+        for option, value in (
+            ("fair", fair),
+            ("fenced", fenced),
+            ("keepalive", keepalive),
+            ("reentrant", reentrant),
+        ):
             flag(option, value)
+        if fenced and (reentrant or fair):
+            raise ConfigError("fenced=True cannot be combined with reentrant=True or fair=True")
+        if fair:
+            if reentrant:
+                raise ConfigError("fair=True cannot be combined with reentrant=True")
+            return AsyncFairLock(
+                self, name, ttl, timeout=timeout, blocking=blocking, holder=holder, keepalive=keepalive
+            )
         if reentrant:
-            if fenced:
-                raise ConfigError("fenced=True cannot be combined with reentrant=True")
             return AsyncReentrantLock(
                 self, name, ttl, timeout=timeout, blocking=blocking, holder=holder, keepalive=keepalive
             )
@@ -94,28 +115,31 @@ class AsyncRedlock(Settings):
         return lock
 
     # -- the rounds, over asyncio -------------------------------------------------------------------
-    async def run(self, steps: Steps[T]) -> T:
-        """Run one operation of :mod:`..rounds` in an exchange of its own; its clock starts
-        (``next(steps)``) before the exchange takes or makes any link."""
+    def run(self, steps: Steps[T]) -> Coroutine[Any, Any, T]:
+        """Run one operation of :mod:`..rounds` in an exchange of its own (await what this
+        returns); its clock starts (``next(steps)``) before the exchange takes or makes any
+        link. Not a coroutine itself: one coroutine less on every operation's path."""
         if self._closed:
             raise ConfigError("this AsyncRedlock is closed")
         first = next(steps)
-        with self.transport.round() as exchange:
-            return await drive(steps, exchange, first)
+        return drive(steps, self.transport.round(), first, close=True)
 
-    async def try_acquire(
+    # Each returns the awaitable of :meth:`run` (not a coroutine of its own: one layer less).
+    def try_acquire(
         self, key: str, token: str, ttl: float, commands: Commands = PLAIN
-    ) -> tuple[float, list[Vote], float]:
-        return await self.run(rounds.attempt(self, key, token, ttl, commands))
+    ) -> Coroutine[Any, Any, tuple[float, list[Vote], float]]:
+        """One attempt: (validity, votes, elapsed), as ``Redlock.try_acquire``."""
+        return self.run(rounds.attempt(self, key, token, ttl, commands))
 
-    async def try_extend(
+    def try_extend(
         self, key: str, token: str, ttl: float, commands: Commands = PLAIN
-    ) -> tuple[float, list[Vote], float]:
-        return await self.run(rounds.extend(self, key, token, ttl, commands))
+    ) -> Coroutine[Any, Any, tuple[float, list[Vote], float]]:
+        """Reset the TTL on every master that still holds ``token``: (validity, votes, elapsed)."""
+        return self.run(rounds.extend(self, key, token, ttl, commands))
 
-    async def release_key(self, command: Command) -> list[Vote] | None:
+    def release_key(self, command: Command) -> Coroutine[Any, Any, list[Vote] | None]:
         """Compare-and-delete on every master: None once a quorum answered, else every vote."""
-        return await self.run(rounds.release(self, command))
+        return self.run(rounds.release(self, command))
 
     def send_release(self, command: Command) -> None:
         """A release nobody waits for, written now (a retraction; see ``rounds.send_release``)."""
@@ -124,6 +148,18 @@ class AsyncRedlock(Settings):
         with self.transport.round() as exchange:
             assert isinstance(first, rounds.Send)
             exchange.send(first.commands, first.timeout)
+
+    async def holder(self, name: str) -> str | None:
+        """The ``holder`` text of the lock a quorum of masters holds on resource ``name`` ("" if
+        it was taken without one), or None when no quorum holds one token (``Redlock.holder``).
+        One round; asked by a contender, never on the way to a lock."""
+        if self._closed:
+            raise ConfigError("this AsyncRedlock is closed")
+        get = ("GET", lock_key(self.key_prefix, name))
+        with self.transport.round() as exchange:
+            outcomes = await exchange.call([get] * len(self.masters), self.request_timeout)
+        values = [o.value if o.kind == "ok" and isinstance(o.value, bytes) else None for o in outcomes]
+        return agreed(values, self.quorum)
 
     async def aclose(self) -> None:
         """Close every connection and end every task this AsyncRedlock started (keep-alives
@@ -134,6 +170,7 @@ class AsyncRedlock(Settings):
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        await self.subscriber.aclose()
         await self.transport.aclose()
 
     async def __aenter__(self) -> AsyncRedlock:

@@ -18,7 +18,7 @@ from ..commands import EXIT, REENTRANT, Commands
 from ..owner import current_owner
 from ..reentrant import enter
 from ..state import check_wait, raise_on_kind
-from .lock import AsyncLock
+from .lock import AsyncLock, named
 
 if TYPE_CHECKING:
     from .redlock import AsyncRedlock
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 class _Inner(AsyncLock):
     _commands: Commands = REENTRANT
+    _waiting_commands: Commands = REENTRANT  # R_ACQUIRE answers a held key with its PTTL already
 
 
 class AsyncReentrantLock:
@@ -122,8 +123,7 @@ class AsyncReentrantLock:
     async def __aenter__(self) -> AsyncReentrantLock:
         t = self._template
         if not await self.acquire(t._blocking, t._timeout):
-            assert self.last_error is not None
-            raise self.last_error
+            raise await named(self.redlock, self.name, self.last_error)
         return self
 
     async def __aexit__(
