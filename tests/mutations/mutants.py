@@ -67,7 +67,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "quorum_off_by_one",
         "quorum N//2: two disjoint 'majorities' of 4 masters",
-        ("tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded]",),
+        ("tests/core/test_quorum.py::test_acquire_succeeds_iff_a_quorum_is_free[embedded-fast]",),
         (
             Edit(
                 SETTINGS,
@@ -81,9 +81,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "a round slower than the TTL still grants; validity from the reply",
         (
             "tests/core/test_lock_semantics.py::test_acquire_true_while_owned_false_when_connecting_is_slow"
-            "[embedded]",
+            "[embedded-fast]",
             "tests/core/test_failures.py::test_validity_counts_from_before_the_round_not_from_when_it_is_read"
-            "[embedded]",
+            "[embedded-fast]",
         ),
         (
             Edit(
@@ -109,7 +109,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "failed_acquire_not_retracted",
         "a failed attempt leaves its keys on the masters that granted",
-        ("tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded]",),
+        ("tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded-fast]",),
         (
             Edit(
                 TALLY,
@@ -121,7 +121,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "release_without_compare",
         "release deletes another token's key (DEL without GET == token)",
-        ("tests/core/test_quorum.py::test_release_never_deletes_another_tokens_key[embedded]",),
+        ("tests/core/test_quorum.py::test_release_never_deletes_another_tokens_key[embedded-fast]",),
         (
             Edit(
                 SCRIPTS,
@@ -259,7 +259,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fair_poll_naps_before_join",
         "poll mode naps between probe and join: later arrivals go first",
-        ("tests/core/test_fair.py::test_poll_mode_keeps_arrival_order_too[embedded]",),
+        ("tests/core/test_fair.py::test_poll_mode_keeps_arrival_order_too[embedded-fast]",),
         (
             Edit(
                 "celery_redlock/lock/fair.py",
@@ -315,7 +315,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "reentrant_inner_exit_frees",
         "an inner exit of a reentrant lock frees it for everyone",
-        ("tests/core/test_reentrant.py::test_depth_is_mirrored_and_only_the_last_exit_frees[embedded]",),
+        ("tests/core/test_reentrant.py::test_depth_is_mirrored_and_only_the_last_exit_frees[embedded-fast]",),
         (
             Edit(
                 "celery_redlock/lock/reentrant.py",

@@ -97,6 +97,32 @@ def stale_reason(edits: tuple[Edit, ...], base: Path) -> str:
     return ""
 
 
+def unknown_tests(mutants: list[Mutant], base: Path) -> dict[str, list[str]]:
+    """The test ids each mutant names that pytest does not collect under ``base`` (a test
+    renamed, or given a parameter, since): a mutant whose tests cannot run proves nothing."""
+    named = sorted({test for mutant in mutants for test in mutant.tests})
+    files = sorted({test.split("::")[0] for test in named})
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(base)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *files],
+        cwd=base,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    collected = [line.strip() for line in done.stdout.splitlines() if "::" in line]
+
+    def found(test: str) -> bool:  # a file, a test (all its parameters) or one parametrized id
+        return any(c == test or c.startswith(test + "[") or c.startswith(test + "::") for c in collected) or (
+            "::" not in test and (base / test).is_file()
+        )
+
+    missing = {mutant.name: [test for test in mutant.tests if not found(test)] for mutant in mutants}
+    return {name: tests for name, tests in missing.items() if tests}
+
+
 def apply(edits: tuple[Edit, ...], base: Path) -> None:
     for edit in edits:
         path = base / edit.path
@@ -246,12 +272,19 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [known[name] for name in args.only] if args.only else list(MUTANTS)
 
     if args.list:
+        missing = unknown_tests(chosen, ROOT)
+        stale = False
         for mutant in chosen:
             reason = stale_reason(mutant.edits, ROOT)
+            if mutant.name in missing:
+                reason = (
+                    (reason + "; " if reason else "") + "no such test: " + ", ".join(missing[mutant.name])
+                )
+            stale = stale or bool(reason)
             print(f"{mutant.name}: {mutant.breaks}{'  [STALE: ' + reason + ']' if reason else ''}")
             for test in mutant.tests:
                 print(f"    {test}")
-        return 1 if any(stale_reason(mutant.edits, ROOT) for mutant in chosen) else 0
+        return 1 if stale else 0
 
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="redlock-mutations-") as scratch_dir:
