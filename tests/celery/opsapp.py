@@ -61,9 +61,16 @@ def hold(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
 
 @app.task(bind=True, base=RedlockTask, lock_key="ops:<key>", lock_ttl=1.5, name="opsapp.busy")
 def busy(self: RedlockTask, key: str, seconds: float, record_to: str) -> str:
-    """Hold ``key`` for ``seconds`` with a short TTL: extended every 0.5 s while it runs."""
+    """Hold ``key`` for ``seconds`` with a short TTL: extended every 0.5 s while it runs; or, as
+    ``hold``, until the test sets ``<record_to>:stop``."""
     record(record_to, event="start", key=key, task_id=self.request.id)
-    time.sleep(seconds)
+    client = redis.Redis.from_url(BROKER, socket_timeout=5)
+    try:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not client.exists(f"{record_to}:stop"):
+            time.sleep(0.05)
+    finally:
+        client.close()
     return key
 
 

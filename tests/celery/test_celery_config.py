@@ -64,7 +64,8 @@ def holders() -> Iterator[Holders]:
         with mutex:
             counter = counters.get(tuple(urls))
             if counter is None:
-                counter = counters[tuple(urls)] = Redlock(urls)
+                # A count of what every master holds: a late reply must not read as "not held".
+                counter = counters[tuple(urls)] = Redlock(urls, request_timeout=1.0)
         return counter.holders(key)
 
     yield count
@@ -368,7 +369,9 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
     runner = threading.Thread(target=lambda: results.append(probe.apply(("held", {}))), daemon=True)
     runner.start()
     try:
-        wait_until(lambda: holders(first, "redlock:cfg:held") == 5, 10, "the first run to hold its lock")
+        # Held means held on a quorum of the five: a master a loaded host made answer late had its
+        # grant retracted, and waiting for all five would then wait forever.
+        wait_until(lambda: holders(first, "redlock:cfg:held") >= 3, 10, "the first run to hold its lock")
         _, before = app_settings_and_redlock(app)
         app.conf.redlock_masters = second
         app.conf.redlock_ttl = 7.5
@@ -379,9 +382,10 @@ def test_a_lock_held_across_a_change_is_released_on_the_masters_that_granted_it(
         assert after is not before
         runner.join(20)
         assert results and results[0].state == "SUCCESS", results
-        # The first run's release went to the masters that granted it, and was answered before
-        # its result was stored.
-        assert holders(first, "redlock:cfg:held") == 0
+        # The first run's release went to the masters that granted it, and a quorum answered it
+        # before its result was stored (what release() waits for); the rest apply it soon after.
+        assert holders(first, "redlock:cfg:held") <= 2
+        wait_until(lambda: holders(first, "redlock:cfg:held") == 0, 5, "the release on every master")
         assert holders(second, "redlock:cfg:held") == 0
     finally:
         gate.set()

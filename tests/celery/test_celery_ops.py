@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -132,7 +133,9 @@ def test_ls_and_show_while_tasks_hold_locks_on_two_workers(
     assert sorted(lock["name"] for lock in locks) == [f"ops:{tag}-{i}" for i in range(4)]
     for lock in locks:
         holder = lock["holder"]
-        assert lock["held"] and lock["agree"] == 5 and lock["kind"] == "plain"
+        # Held on a quorum (what the worker's acquire promises; a master a loaded host made late
+        # had its grant retracted), which "held" must agree with.
+        assert lock["held"] and lock["agree"] >= 3 and lock["kind"] == "plain"
         assert holder["name"] == "opsapp.hold" and holder["ttl"] == 60
         assert by_task[holder["task"]] == holder["pid"]  # the process that runs the task holds it
         assert 40 < lock["ttl_left"] <= 60 and 0 <= lock["age"] < 30
@@ -153,9 +156,9 @@ def test_ls_and_show_while_tasks_hold_locks_on_two_workers(
 
     shown = cli(broker, redlock_masters, "show", f"ops:{tag}-0")
     assert shown.returncode == 0, shown.stderr
-    assert (
-        shown.stdout.count(" plain ") == 5 and "held on a quorum (5 of 5 masters, quorum 3)" in shown.stdout
-    )
+    # One line per master holding it, as many as the summary counts (a quorum at least).
+    agree = re.search(r"held on a quorum \((\d) of 5 masters, quorum 3\)", shown.stdout)
+    assert agree and int(agree[1]) >= 3 and shown.stdout.count(" plain ") == int(agree[1]), shown.stdout
     assert "task opsapp.hold" in shown.stdout
 
     broker.client().set(f"{tag}:stop", 1)
@@ -191,7 +194,10 @@ def test_release_is_refused_while_the_holder_runs_and_extends_it(
     opsapp: Any, ready: list[CeleryWorker], broker: RedisServer, redlock_masters: ServerSet
 ) -> None:
     tag = uuid.uuid4().hex[:8]
-    result = opsapp.busy.delay(tag, 6.0, tag)
+    # Running until told to stop: three CLI runs (a second or more each on a loaded host) and the
+    # watch must all see the holder alive; a fixed 6 s run ended before the watch did ("holder is
+    # expired", released on 0 of 5) under load.
+    result = opsapp.busy.delay(tag, 60.0, tag)
     started_runs(broker, tag, 1)
     before = json.loads(cli(broker, redlock_masters, "show", f"ops:{tag}", "--json").stdout)
     assert before["held"]
@@ -201,6 +207,7 @@ def test_release_is_refused_while_the_holder_runs_and_extends_it(
     assert "holder is alive" in refused.stdout and "refused" in refused.stderr
     after = json.loads(cli(broker, redlock_masters, "show", f"ops:{tag}", "--json").stdout)
     assert after["held"] and after["token"] == before["token"]
+    broker.client().set(f"{tag}:stop", 1)
     assert result.get(timeout=60) == tag
 
 

@@ -38,7 +38,10 @@ def record(ttl: float, *, pid: int = 4242, host: str = "worker-3", since: float 
 
 @pytest.fixture
 def rl(masters: ServerSet) -> Iterator[Redlock]:
-    with Redlock(masters.urls, retry_count=0) as instance:
+    # These tests read what every master holds (agree == 5 and the like): a request_timeout a
+    # loaded host keeps, so that no acquire lands on a quorum only and no read comes back late.
+    # The health checks' own timeouts are passed to them; no test here times a round.
+    with Redlock(masters.urls, retry_count=0, request_timeout=1.0) as instance:
         yield instance
 
 
@@ -165,7 +168,14 @@ def test_release_of_a_reentrant_lock_deletes_its_hash(masters: ServerSet, rl: Re
 
 
 @pytest.mark.timeout(30)
-def test_release_is_refused_while_the_holder_extends_it(masters: ServerSet, rl: Redlock) -> None:
+def test_release_is_refused_while_the_holder_extends_it(masters: ServerSet) -> None:
+    # Its own request_timeout: a heartbeat keeps a 1.5 s lock only if 2 x request_timeout leaves
+    # room for its 0.5 s interval (the fixture's 1 s does not).
+    with Redlock(masters.urls, retry_count=0, request_timeout=0.3) as rl:
+        _refused_while_extended(masters, rl)
+
+
+def _refused_while_extended(masters: ServerSet, rl: Redlock) -> None:
     heartbeat = Heartbeat("test-admin-heartbeat")
     lock = rl.lock("alive", ttl=1.5, holder=record(1.5, host=socket.gethostname(), pid=1))
     assert take(lock)

@@ -23,10 +23,18 @@ SLACK = 0.5
 def fresh(masters: ServerSet) -> Redlock:
     """A Redlock whose connections are all made before any fault (the usual steady state)."""
     rl = Redlock(masters.urls, retry_count=0, request_timeout=REQUEST_TIMEOUT)
-    warm = rl.lock("warm-up", ttl=5)
-    assert take(warm)
-    warm.release()
-    return rl
+    # Every link made and answering, not a quorum of them: a master whose warm-up reply came late
+    # on a loaded host would meet its fault on a new connect, and vote "error" for "timeout".
+    deadline = time.monotonic() + 10
+    while True:
+        warm = rl.lock("warm-up", ttl=5)
+        assert take(warm)
+        answered = [v.kind for v in warm.last_votes] == ["yes"] * len(masters)
+        warm.release()
+        if answered:
+            return rl
+        assert time.monotonic() < deadline, warm.last_votes
+        time.sleep(0.05)
 
 
 def test_minority_killed_still_acquires_within_bounds(masters: ServerSet, fresh: Redlock) -> None:
@@ -79,7 +87,10 @@ def test_paused_master_costs_at_most_request_timeout(masters: ServerSet, fresh: 
         started = time.monotonic()
         assert take(lock)
         assert time.monotonic() - started < REQUEST_TIMEOUT + SLACK
-        assert [v.kind for v in lock.last_votes].count("yes") == 4
+        kinds = [v.kind for v in lock.last_votes]
+        # The paused one never answers (a timeout, then "error" while its link is known dead); a
+        # quorum of the rest granted (what acquired promises: one a loaded host made late may not).
+        assert kinds[2] in ("timeout", "error") and kinds.count("yes") >= fresh.quorum, kinds
         lock.release()
     masters[2].resume()
     fresh.close()

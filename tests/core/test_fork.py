@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 from celery import Celery
 
 import celery_redlock.celery.beat as beat_module
@@ -36,6 +37,16 @@ from .conftest import take, values_on, wait_for
 
 # How long a child may take to lock and report; a child that hangs on a mutex never does.
 CHILD_DEADLINE = 15.0
+
+
+@pytest.fixture
+def rl(masters: ServerSet) -> Iterator[Redlock]:
+    """The core ``rl`` with a request_timeout a loaded host keeps: run_case asks every master to
+    answer the parent on its inherited link (a child that read from it makes it miss any deadline),
+    which is about the link, not about a reply within 0.1 s. 1 s still lets take_a_new_lock's
+    heartbeat keep a 5 s lock at a 1 s interval."""
+    with Redlock(masters.urls, retry_count=0, request_timeout=1.0) as instance:
+        yield instance
 
 
 @contextlib.contextmanager
@@ -123,6 +134,7 @@ def run_case(masters: ServerSet, rl: Redlock, name: str, mutexes: list[Any], wor
     # The parent's inherited connections were left alone by the child: they still work.
     parent_lock = rl.lock(name, ttl=5)
     assert take(parent_lock), parent_lock.last_error
+    # Every master, not a quorum: a link the child read from or shut votes timeout or error.
     assert [v.kind for v in parent_lock.last_votes] == ["yes"] * len(masters)
     parent_lock.release()
 

@@ -181,7 +181,10 @@ def test_silent_masters_cost_one_timeout_together(masters: ServerSet, paused: tu
         elapsed = time.monotonic() - started
         kinds = [vote.kind for vote in lock.last_votes]
         assert acquired, kinds
-        assert kinds == ["timeout"] * len(paused) + ["yes"] * (len(masters) - len(paused))
+        # The silent ones time out and the rest are still read against the same deadline: a
+        # quorum of them granted (what "acquired" promises; one a loaded host made late may not).
+        assert kinds[: len(paused)] == ["timeout"] * len(paused), kinds
+        assert kinds.count("yes") >= rl.quorum and "held" not in kinds and "error" not in kinds, kinds
         assert elapsed < REQUEST_TIMEOUT + SLACK, f"{elapsed:.3f} s with {len(paused)} silent"
     finally:
         for i in paused:

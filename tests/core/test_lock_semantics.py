@@ -51,17 +51,12 @@ def probe_can_acquire(masters: ServerSet, name: str) -> bool:
     """Whether an independent client can take ``name`` now (released again at once)."""
     with Redlock(masters.urls, retry_count=0) as probe:
         lock = probe.lock(name, ttl=1.0)
-        if lock.acquire(blocking=False):
+        # take(): a cold probe's first round may miss 0.1 s on a loaded host; a "held" refusal
+        # is still final at once, so "not acquirable" keeps meaning someone holds the key.
+        if take(lock):
             lock.release()
             return True
         return False
-
-
-def holds_token(masters: ServerSet, lock: Lock) -> int:
-    """How many masters hold ``lock``'s key with its token."""
-    token = lock.token
-    assert token is not None
-    return sum(1 for value in values_on(masters, lock.key).values() if value == token.encode())
 
 
 def in_child(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -122,7 +117,9 @@ def test_extend_to_a_shorter_ttl_granted_by_every_master_shortens_the_validity(
     assert take(lock), lock.last_error
     started = time.monotonic()
     assert lock.extend(ttl=0.3)
-    assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
+    # Granted means a quorum said yes (the contract; a loaded master may answer late), and the
+    # validity bound below holds for any granted extension.
+    assert [v.kind for v in lock.last_votes].count("yes") >= rl.quorum, lock.last_votes
     assert 0 < lock.validity <= 0.3 - (time.monotonic() - started) + 0.001, lock.validity
     # The keys expire 0.3 s after the extension; so does the holder's claim, no later.
     assert wait_for(lambda: probe_can_acquire(masters, "short-extend-granted"), 5.0)
@@ -138,8 +135,9 @@ def test_extend_to_a_shorter_ttl_granted_but_read_too_late_keeps_the_old_validit
         lock = rl.lock("short-extend-stalled", ttl=30)
         assert take(lock), lock.last_error
         extended = lock.extend(ttl=0.3)
-        # Every master granted 0.3 s, and the holder stalled longer than that before looking.
-        assert [v.kind for v in lock.last_votes] == ["yes"] * len(masters)
+        # A quorum granted 0.3 s (the contract's "granted"; a loaded master may answer late),
+        # and the holder stalled longer than that before looking.
+        assert [v.kind for v in lock.last_votes].count("yes") >= rl.quorum, lock.last_votes
         assert probe_can_acquire(masters, "short-extend-stalled")
         assert not extended, "extend() returned True for keys that had already expired"
         assert not lock.owned(), f"owned with {lock.validity:.3f} s left after the keys expired"
@@ -173,9 +171,20 @@ def test_extend_to_a_shorter_ttl_that_fails_keeps_the_old_validity(masters: Serv
 
 
 # -- 2. a forked child and its parent's lock -------------------------------------------------------
-def assert_still_the_parents(masters: ServerSet, lock: Lock) -> None:
+def granted_by(lock: Lock) -> set[str]:
+    """The masters that said yes to ``lock``'s acquire: each holds its token until released."""
+    return {vote.master for vote in lock.last_votes if vote.kind == "yes"}
+
+
+def assert_still_the_parents(masters: ServerSet, lock: Lock, granted: set[str]) -> None:
     assert lock.owned()
-    assert holds_token(masters, lock) == len(masters), values_on(masters, lock.key)
+    # Every master that granted the parent still holds its token (the acquire promises a quorum,
+    # not five: a master that answered late had its grant retracted); a child's release or
+    # extension would have deleted or replaced it there.
+    assert len(granted) >= len(masters) // 2 + 1, granted
+    values = values_on(masters, lock.key)
+    token = lock.token
+    assert token is not None and all(values[m] == token.encode() for m in granted), values
     assert not probe_can_acquire(masters, lock.name)
 
 
@@ -188,6 +197,7 @@ def test_a_forked_child_leaving_with_by_sys_exit_releases_its_parents_lock(
     read, write = os.pipe()
     try:
         with lock:
+            granted = granted_by(lock)
             pid = os.fork()
             if pid == 0:  # pragma: no cover - the child: leave the block as a program would
                 os.close(read)
@@ -195,7 +205,7 @@ def test_a_forked_child_leaving_with_by_sys_exit_releases_its_parents_lock(
             os.close(write)
             report = read_report(read, pid)
             assert report == {"unwound": True, "owned": False}, report
-            assert_still_the_parents(masters, lock)
+            assert_still_the_parents(masters, lock, granted)
     except SystemExit:  # pragma: no cover - only the child gets here, after `with` unwound
         if os.getpid() == parent:
             raise
@@ -212,13 +222,14 @@ def test_a_forked_child_leaving_with_by_sys_exit_releases_its_parents_lock(
 def test_a_forked_child_calling_release_releases_its_parents_lock(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("fork-release", ttl=30)
     assert take(lock), lock.last_error
+    granted = granted_by(lock)
 
     def work() -> dict[str, Any]:
         # Nothing of the parent's is sent from here, waited for or not; each says "done".
         return {"released": [lock.release(), lock.release_without_waiting(), lock.release()]}
 
     assert in_child(work) == {"released": [True, None, True]}
-    assert_still_the_parents(masters, lock)
+    assert_still_the_parents(masters, lock, granted)
     lock.release()
     assert wait_for(lambda: probe_can_acquire(masters, "fork-release"), 5.0)
 
@@ -227,6 +238,7 @@ def test_a_forked_child_calling_release_releases_its_parents_lock(masters: Serve
 def test_a_forked_child_owns_and_extends_its_parents_lock(masters: ServerSet, rl: Redlock) -> None:
     lock = rl.lock("fork-extend", ttl=30)
     assert take(lock), lock.last_error
+    granted = granted_by(lock)
 
     def work() -> dict[str, Any]:
         report: dict[str, Any] = {
@@ -249,7 +261,7 @@ def test_a_forked_child_owns_and_extends_its_parents_lock(masters: ServerSet, rl
     assert report["token"] is None, report
     assert report["extended"] is False and report["extended_short"] is False, report
     assert "another process" in report["ensure"], report
-    assert_still_the_parents(masters, lock)
+    assert_still_the_parents(masters, lock, granted)
     assert lock.validity > 29.0, "the child's extend(ttl=0.5) reached the masters"
     lock.release()
 
@@ -469,7 +481,10 @@ def test_a_redlock_dropped_with_a_master_down_leaves_its_threads_behind(masters:
         ports = {proxy.port for proxy in proxies}
         proxies[4].cut()
         before = set(threading.enumerate())
-        rl = Redlock(proxies.urls, retry_count=0)
+        # The four live masters must each answer (links and threads to clean up are the subject,
+        # not reply speed): 0.1 s through the proxies is missed on a loaded host; the cut one is
+        # refused at once.
+        rl = Redlock(proxies.urls, retry_count=0, request_timeout=1.0)
         lock = rl.lock("dropped-down", ttl=30)
         assert take(lock), lock.last_error
         assert [v.kind for v in lock.last_votes][:4] == ["yes"] * 4

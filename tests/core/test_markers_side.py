@@ -6,6 +6,7 @@ attempt of that run that no quorum granted."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -17,6 +18,15 @@ from celery_redlock.testing import ServerSet
 from .conftest import take
 
 pytestmark = pytest.mark.one_binary
+
+
+@pytest.fixture
+def rl(masters: ServerSet) -> Iterator[Redlock]:
+    """The core ``rl`` with a request_timeout a loaded host keeps: these tests read and count
+    what every master holds (a late reply reads as absent, a late grant as a refusal); where a
+    marker sits is the subject here, not how fast a master answers."""
+    with Redlock(masters.urls, retry_count=0, request_timeout=1.0) as instance:
+        yield instance
 
 
 def marker(task: str, owner: str = "task-b") -> str:

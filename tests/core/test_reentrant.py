@@ -19,7 +19,7 @@ import contextvars
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +36,15 @@ from celery_redlock.testing import ServerSet
 from .conftest import take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def rl(masters: ServerSet, transport: str) -> Iterator[Redlock]:
+    """``rl`` with a request_timeout a loaded host keeps: these tests read the depth on every
+    master, which an acquire that a late master missed (its grant retracted) leaves at a quorum;
+    the counts are the subject, not a reply within 0.1 s."""
+    with Redlock(masters.urls, retry_count=0, request_timeout=1.0, transport=transport) as instance:
+        yield instance
 
 
 def counts(masters: ServerSet, key: str) -> list[list[int]]:
@@ -69,7 +78,7 @@ def in_thread(function: Callable[[], Any]) -> Any:
 
 def test_depth_is_mirrored_and_only_the_last_exit_frees(rl: Redlock, masters: ServerSet) -> None:
     lock = rl.lock("deep", ttl=10, reentrant=True)
-    contender = Redlock(masters.urls, retry_count=0)
+    contender = Redlock(masters.urls, retry_count=0, request_timeout=1.0)  # its grant is counted on all five
 
     def contender_gets_it() -> bool:
         return bool(in_thread(lambda: contender.lock("deep", ttl=10, reentrant=True).acquire(blocking=False)))
@@ -223,7 +232,10 @@ def test_the_heartbeat_keeps_the_owners_holding(masters: ServerSet) -> None:
             heartbeat.forget(lock)
             lock.release()
             lock.release()
-            assert counts(masters, "redlock:kept") == [[]] * 5
+            # The last exit is answered by a quorum at once (what release waits for), and is
+            # applied on every master soon after (a loaded one may answer late).
+            assert sum(1 for c in counts(masters, "redlock:kept") if c == []) >= rl.quorum
+            assert wait_for(lambda: counts(masters, "redlock:kept") == [[]] * 5, 2.0)
         finally:
             heartbeat.stop()
 

@@ -93,7 +93,9 @@ def partial_reentry(lock: ReentrantLock) -> None:
     inner = lock.holding()
     assert inner is not None
     kinds = [vote.kind for vote in inner.last_votes]
-    assert kinds == ["timeout"] * 3 + ["yes"] * 2, kinds
+    # The three delayed masters time out; the two others grant, unless a loaded host made one late
+    # too: either way a re-entry granted by fewer than a quorum, nobody answering "held".
+    assert kinds[:3] == ["timeout"] * 3 and "yes" in kinds[3:] and set(kinds[3:]) <= {"yes", "timeout"}, kinds
     assert lock.depth == 2
     assert lock.owned()
     # Not renewed (2 yes are no quorum) and not cut (nobody answered "held"): the same end.

@@ -277,13 +277,19 @@ def test_force_release_never_deletes_a_newer_holders_token(
     first.release()
     second = rl.lock(name, ttl=20, **options)  # type: ignore[call-overload]
     assert wait_for(lambda: second.acquire(blocking=False), 5)
+    # Each master that granted it holds it until released (a quorum at least; one a loaded host
+    # made late had its grant retracted): a stale force-release deleting any would show below.
+    inner = second.holding() if kind == "reentrant" else second  # type: ignore[union-attr]
+    assert inner is not None
+    granted = [vote.kind for vote in inner.last_votes].count("yes")
+    assert granted >= rl.quorum
     done = admin.force_release(rl, view, by="review")
     assert done.deleted == 0
     after = admin.show(rl, name)
-    assert after.held and after.token == second.token and after.agree == len(masters)
+    assert after.held and after.token == second.token and after.agree >= granted, (after.agree, granted)
     with pytest.raises(admin.ReleaseRefused):
         admin.release(rl, name, token=view.token, force=True)
-    assert admin.show(rl, name).agree == len(masters)
+    assert admin.show(rl, name).agree >= granted
     second.release()
 
 
