@@ -237,7 +237,8 @@ class Lock(LockState):
             validity, votes, elapsed = self._attempt(token, waiting, expiry, entry)
             self.last_votes = votes
             if validity > 0:
-                if self._grant(token, started, attempts, elapsed):
+                validity = self._grant(token, started, attempts, elapsed)
+                if validity > 0:
                     if entry is not None:
                         self._granted(entry)
                     return None

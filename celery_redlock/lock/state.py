@@ -176,10 +176,11 @@ class LockState:
         secrets module reads too), then the holder text."""
         return os.urandom(20).hex() + self._holder_suffix
 
-    def _grant(self, token: str, started: float, attempts: int, elapsed: float) -> bool:
+    def _grant(self, token: str, started: float, attempts: int, elapsed: float) -> float:
         """Take in an attempt with ``token`` that a quorum granted in a round begun at
-        ``started`` (on :func:`.clock.now`); False if its validity ran out before now, and the
-        caller then retracts it as a failed attempt."""
+        ``started`` (on :func:`.clock.now`): the validity left now. Zero or less: it ran out
+        before now, nothing is taken in, and the caller retracts it as a failed attempt whose
+        figures say so (that validity, not the round's)."""
         # Anchored before the round, never when its result is looked at: a holder stalled in
         # between (a long GC, a SIGSTOP) must not come back believing it holds what the
         # masters already let expire. So True here implies owned(). One more clock read
@@ -187,7 +188,7 @@ class LockState:
         valid_until = started + self.ttl - self.redlock.drift(self.ttl)
         validity = valid_until - now()
         if validity <= 0:
-            return False
+            return validity
         self._token = token
         self._owner = pid()
         self._valid_until = valid_until
@@ -195,7 +196,7 @@ class LockState:
         self._failure = self._last_error = None
         self.last_attempts = attempts
         logger.debug("acquired %s in %.2f ms (validity %.3f s)", self.key, elapsed * 1000, validity)
-        return True
+        return validity
 
     def _failed(self, votes: list[Vote], attempts: int, elapsed: float, validity: float) -> None:
         """Take in a failed attempt: its figures, for :attr:`last_error`."""

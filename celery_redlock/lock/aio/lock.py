@@ -175,7 +175,8 @@ class AsyncLock(LockState):
             validity, votes, elapsed, fence = await self._attempt(token, waiting, expiry, entry)
             self.last_votes = votes
             if validity > 0:
-                if self._grant(token, started, attempts, elapsed):
+                validity = self._grant(token, started, attempts, elapsed)
+                if validity > 0:
                     self._fence = fence if self.fenced else None
                     self._granted(entry)
                     self.lost.clear()
