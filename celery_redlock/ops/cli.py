@@ -46,7 +46,8 @@ def _json() -> click.Option:
     return click.Option(
         ["--json", "as_json"],
         is_flag=True,
-        help="Print one JSON document on stdout (fields: docs/cli.md); everything else goes to stderr.",
+        help="Print one JSON document on stdout (its fields: the page named below); everything "
+        "else goes to stderr.",
     )
 
 

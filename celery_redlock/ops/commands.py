@@ -69,7 +69,9 @@ def ls(session: Session, out: Output, *, pattern: str, limit: int, partial: bool
         for view in listing.locks
     ]
     out.table(("RESOURCE", "HOLDER", "AGE", "TTL LEFT", "MASTERS"), rows)
-    if not rows:
+    if not rows and answered < quorum:
+        out.line(f"no lock seen matching {pattern!r} (only {answered} of {masters} masters answered)")
+    elif not rows:
         held = "held on any master" if partial else "held on a quorum"
         out.line(f"no lock {held} matches {pattern!r}")
     _explain_incomplete(out, listing, pattern, limit, answered, masters, quorum)
@@ -191,7 +193,8 @@ class _Release:
                 return self._refuse(alive)
             self.alive = alive
             out.line(f"holder is {alive.state}: {alive.reason}")
-        by = f"{admin.operator_identity()} ({program} release)"
+        # The audit line tells a checked release from a forced one.
+        by = f"{admin.operator_identity()} ({program} release{' --force' if force else ''})"
         self.done = admin.force_release(locks, view, by=by, timeout=timeout)
         out.line(
             f"released {view.key} (token {self.done.token[:12]}...) on {self.done.deleted} of "

@@ -12,9 +12,13 @@ NO = 1  # a quorum answered, and the answer is no: not held, refused, degraded, 
 USAGE = 2  # a bad option or setting (click's own status for usage errors): nothing was asked
 UNAVAILABLE = 3  # fewer than a quorum of masters answered (or are sound): no answer to give
 
+# Where the help points: an installed package carries no docs/ folder.
+DOCS = "https://celery-redlock.readthedocs.io/en/latest/cli/"
+
 EPILOG = (
     "Exit status: 0 ok; 1 a quorum answered and the answer is no (lock not held, release "
     "refused or declined, fleet degraded, listing incomplete, no leader); 2 usage error (a bad "
-    "option, URL or setting); 3 fewer than a quorum of masters answered, or are sound: nothing "
-    "can be told. See docs/cli.md."
+    "option, URL or setting); 3 fewer than a quorum of masters answered (for health: are "
+    # \b: a paragraph click does not rewrap, so the address is never split at a hyphen.
+    f"sound): nothing can be told.\n\n\b\nThe commands, their --json fields and exit statuses:\n{DOCS}"
 )

@@ -47,8 +47,13 @@ class Output:
     def confirm(self, question: str) -> bool:
         """Ask ``question``; False when declined. The prompt goes where the human output goes,
         and its line is ended even when the answer came from a pipe (which echoes nothing), so
-        whatever is written next (a log line on stderr) starts on a line of its own."""
-        answer = click.confirm(question, default=False, err=self.as_json)
+        whatever is written next (a log line on stderr) starts on a line of its own. No answer
+        at all (end of input: a script or cron job without ``--yes``; Ctrl-C) is a no, so the
+        command still ends its own way (and ``--json`` still prints its document)."""
+        try:
+            answer = click.confirm(question, default=False, err=self.as_json)
+        except click.Abort:
+            answer = False
         if not sys.stdin.isatty():
             click.echo("", err=self.as_json)
         return answer

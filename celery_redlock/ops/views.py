@@ -52,6 +52,12 @@ def print_view(out: Output, view: admin.LockView) -> None:
             f"{view.key}: held on a quorum ({view.agree} of {len(view.masters)} masters, quorum "
             f"{view.quorum}) by {holder}; {seconds(view.ttl_left)} left{_heartbeat(view)}"
         )
+    elif len(view.masters) - len(unanswered(view)) < view.quorum:
+        # Too few answered to say it is not held: say what was seen, not a verdict.
+        out.line(
+            f"{view.key}: not seen held ({view.agree} of {len(view.masters)} masters hold one "
+            f"token; only {len(view.masters) - len(unanswered(view))} answered, quorum {view.quorum})"
+        )
     else:
         out.line(
             f"{view.key}: not held on a quorum ({view.agree} of {len(view.masters)} masters hold "

@@ -125,7 +125,7 @@ class Round:
     def _take_pending(self, *, voting: bool) -> Pending | None:
         """At the round's first command (slow path): refuse to count votes if a master turned
         out to be another's server, and hand over the connects to finish for this command."""
-        self._slow = False
+        self._slow, self._waits_from = False, time.monotonic()  # see _arrivals
         pending, self._pending = self._pending, None
         if voting and self._refusal:
             self._abandon(pending or [])
@@ -199,8 +199,9 @@ class Round:
                         self.links[i] = link
                         yield i
         finally:
+            why = f"not connected within {time.monotonic() - self._waits_from:.2f} s, the round's deadline"
             for i in waiting.values():
-                self.failures[i] = "not connected within request_timeout (still trying, for later rounds)"
+                self.failures[i] = f"{why} (still trying, for later rounds)"
             self._abandon([(i, future) for future, i in waiting.items()])
 
     def _abandon(self, pending: Pending) -> None:
