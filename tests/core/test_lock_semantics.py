@@ -446,7 +446,9 @@ def test_a_redlock_dropped_without_close_leaves_no_thread_or_socket_behind(
             assert gone_from >= len(masters) // 2 + 1, values_on(masters, key)
         else:
             lock.release_without_waiting()  # written before it returned: dropping loses nothing
-        assert len(connections_to(ports)) == len(masters)
+        # Connections open while it lives: one a master at least (a reply late under load makes
+        # the reference transport open a second, which must go with the rest below).
+        assert len(connections_to(ports)) >= len(masters)
         gone = weakref.ref(rl)
         del rl, lock
         gc.collect()
