@@ -158,7 +158,9 @@ def test_extend_to_a_shorter_ttl_that_fails_keeps_the_old_validity(masters: Serv
             started = time.monotonic()
             # Two masters apply the 0.2 s TTL now; the three paused ones when they resume.
             assert not lock.extend(ttl=0.2)
-            assert [v.kind for v in lock.last_votes].count("timeout") == 3, lock.last_votes
+            # The paused three answered nothing: a timeout, or an error where the acquire under
+            # load had left that master without a link and its connect met the pause.
+            assert all(v.kind in ("timeout", "error") for v in lock.last_votes[:3]), lock.last_votes
             # Whatever the attempt returned, any master may have applied the new TTL.
             assert lock.validity <= 0.2 - (time.monotonic() - started) + 0.001, lock.validity
         finally:
