@@ -109,7 +109,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "failed_acquire_not_retracted",
         "a failed attempt leaves its keys on the masters that granted",
-        ("tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded-fast]",),
+        (
+            "tests/core/test_failures.py::test_failed_acquire_with_a_paused_master_leaves_nothing[embedded-fast]",
+        ),
         (
             Edit(
                 TALLY,
