@@ -12,7 +12,7 @@ A real broker, ``--masters`` lock masters (5) and real ``celery worker`` process
 second body all lock one name, so they must run one after another: the serial bound is
 ``duplicates x body`` (1.0 s by default). Measured from the first send to the last result, for
 ``lock_contended="wait"`` (a duplicate waits in its worker, woken by the release) and for
-``"retry"`` (it is re-published after a jittered backoff, the default 1 s base). Issue 16's goal:
+``"retry"`` (it is re-published after a jittered backoff, the default 1 s base). The goal:
 wait mode under 1.5x the bound.
 
 ``--chain``: a chain of ``--links`` no-op links, each ``.si(k, i)``, all on one key ``k`` (a fresh
@@ -29,7 +29,7 @@ rounds on one prefork worker with 2 children, then on one solo worker. A chain's
 from its ``apply_async`` to its last link's result. Links *skipped* returned the skip marker
 (``is_skipped``); links *failed* ended in any other way than success (a failed link fails the rest
 of its chain with it); *lock retries* are the ``lock_contended`` signals with policy ``retry``,
-counted by the worker in the broker. The issue's goal: 0 links skipped or failed in every mode, and
+counted by the worker in the broker. The goal: 0 links skipped or failed in every mode, and
 a median wall time at most 1.2x plain's (``/ floor`` says how much of the gap is the two rounds
 themselves). Exit status 1 if any link was skipped or failed.
 """

@@ -11,7 +11,7 @@ Reported per mode: attempts per grant (every attempt of every acquire call), *wa
 grant (beyond the two every contended call makes on arrival: the first try, and the one right
 after joining the release channel or the queue), p50/p99/longest wait per acquire call, and the
 fewest grants any waiter got within its calls (starvation shows as a waiter timing out).
-Issue 16's goal with fair: under 1.5 attempts per grant (here: wake attempts), no starvation.
+The goal with fair: under 1.5 attempts per grant (here: wake attempts), no starvation.
 """
 
 from __future__ import annotations

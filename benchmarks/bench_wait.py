@@ -11,7 +11,7 @@ is the time from one process's ``release()`` returning to the other's ``acquire(
 Two modes, run one after the other with the same masters: ``wait="release"`` (the waiter is woken
 by the release's publish; see ``celery_redlock.lock.subscriber``) and ``wait="poll"`` (the waiter
 tries again after a random delay in ``[0, retry_delay)``, as every Python Redlock client does).
-Issue 16's goal: release p50 under 2 ms, at least 20x better than polling.
+The goal: release p50 under 2 ms, at least 20x better than polling.
 """
 
 from __future__ import annotations

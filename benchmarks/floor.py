@@ -15,7 +15,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlparse
 
-# The compare-and-delete without the library's PUBLISH (which wakes waiters, issue 16): the floor
+# The compare-and-delete without the library's PUBLISH (which wakes waiters): the floor
 # keeps the release as it was before waiting existed, so the ratio shows what the publish costs.
 RELEASE_SOURCE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then

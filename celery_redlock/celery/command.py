@@ -23,7 +23,7 @@ from ..ops import exits
 from ..ops.cli import build_commands
 from .beatconf import BeatSettings
 from .leader import leader_redlock
-from .settings import read_settings
+from .settings import read_settings, refuse_unknown_settings
 
 PROGRAM = "celery redlock"
 
@@ -47,6 +47,9 @@ class _AppSession:
     @contextmanager
     def redlock(self) -> Iterator[Redlock]:
         try:
+            # A misspelt setting is refused as the worker and the beat refuse it (``leader``'s
+            # leader_redlock checks it too): its default would be in force unnoticed.
+            refuse_unknown_settings(self._app.conf)
             locks = read_settings(self._app.conf).redlock()
         except ConfigError as exc:
             raise click.UsageError(str(exc)) from None

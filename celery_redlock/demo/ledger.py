@@ -139,7 +139,8 @@ class LedgerReader:
     directory: Path
     calls: dict[str, Call] = field(default_factory=dict)
     runs: list[Run] = field(default_factory=list)
-    retried: set[str] = field(default_factory=set)
+    retried: set[str] = field(default_factory=set)  # for the lock held
+    unavailable: set[str] = field(default_factory=set)  # for masters that did not answer
     final: dict[str, str] = field(default_factory=dict)
     skips: dict[str, Skip] = field(default_factory=dict)
     deduplicated: int = 0
@@ -168,7 +169,7 @@ class LedgerReader:
             fields = ("task_id", "resource", "start", "end", "pid", "acquire", "outcome", "charged_by")
             self.runs.append(Run(**{name: record[name] for name in fields if name in record}))
         elif event == "retry":
-            self.retried.add(record["task_id"])
+            (self.unavailable if record.get("unavailable") else self.retried).add(record["task_id"])
         elif event == "done" and record["state"] not in NOT_FINAL:
             self.final[record["task_id"]] = record["state"]
             if "reason" in record:
@@ -196,7 +197,7 @@ class Summary:
     submitted: int
     finished: int
     ran: int
-    waited: int
+    waited: int  # runs retried because the lock was held
     overlaps: list[tuple[Run, Run]]
     acquire_p50: float
     acquire_p99: float
@@ -204,6 +205,8 @@ class Summary:
     ended: dict[str, str] = field(default_factory=dict)
     # How many times each invoice was charged (0 for one never charged).
     charges: dict[int, int] = field(default_factory=dict)
+    # Runs retried because no quorum of masters answered (a master killed mid-round).
+    unavailable: int = 0
 
     def count(self, *ways: str) -> int:
         """How many calls ended one of ``ways``."""
@@ -276,4 +279,5 @@ def summarize(reader: LedgerReader, submitted: int) -> Summary:
         acquire_p99=percentile(acquire, 0.99),
         ended=ended,
         charges={invoice: charges[invoice] for invoice in sorted(invoices)},
+        unavailable=len(reader.unavailable),
     )

@@ -37,6 +37,7 @@ from celery.signals import task_postrun, task_retry
 
 from ..celery import signals
 from ..celery.task import RedlockTask, is_skipped
+from ..errors import LockNotAcquired
 from .ledger import ALREADY, CHARGED, Charges, LedgerWriter
 
 ENV_BROKER = "CELERY_REDLOCK_DEMO_BROKER"
@@ -107,9 +108,13 @@ def _note_acquired(sender: Any = None, task_id: str | None = None, elapsed: floa
             _acquired[task_id] = elapsed
 
 
-def _note_retry(request: Any = None, **_: Any) -> None:
+def _note_retry(request: Any = None, reason: Any = None, **_: Any) -> None:
     if request is not None and getattr(request, "task", None) == TASK_NAME:
-        _ledger.write("retry", task_id=request.id)
+        # Why: the lock was held (under "skip" too, when its holder let go before it could be
+        # named: there was no one to skip for), or no quorum of masters answered.
+        error = getattr(reason, "exc", None)
+        unavailable = isinstance(error, LockNotAcquired) and not error.contended
+        _ledger.write("retry", task_id=request.id, unavailable=unavailable)
 
 
 def _note_end(

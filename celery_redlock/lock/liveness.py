@@ -256,7 +256,10 @@ def _without_watching(view: LockView) -> Liveness | None:
     holder = view.holder
     if holder is not None and holder.queued:
         return Liveness(
-            "queued", f"{view.describe_holder()}; a message still in the broker, whose run takes the key over"
+            # The state already says "queued": the description's own "queued: " is not repeated.
+            "queued",
+            f"{view.describe_holder().removeprefix('queued: ')}; a message still in the broker, "
+            "whose run takes the key over",
         )
     pid = _checkable_pid(holder)
     if holder is not None and pid is not None and _pid_gone(holder, pid):

@@ -92,8 +92,10 @@ def _leader_params() -> list[click.Parameter]:
     return [
         click.Option(
             ["--lock-name"],
-            help="The beat's leader lock (redlock_beat_lock_name; by default beat:<app name>, "
-            "or the app's setting under `celery redlock`).",
+            help="The beat's leader lock. A beat's is its redlock_beat_lock_name, else "
+            'beat:<app name>, the name given to Celery(...) (beat:proj for Celery("proj"); '
+            "beat:celery for an unnamed app). Default: the app's under `celery redlock`, "
+            "beat:celery under `celery-redlock`.",
         )
     ]
 

@@ -15,6 +15,25 @@ from typing import Any
 
 import click
 
+from ..lock.transport.master import RETRIED, STILL_TRYING
+
+# What a master's failure reason says for a process that goes on (its connect is retried, a later
+# round may use it): a command that ends after one round leaves it out.
+_GOES_ON = (RETRIED, STILL_TRYING)
+
+
+def one_shot(data: Any) -> Any:
+    """``data`` (a line, or a document's values) as this one-shot command reports it."""
+    if isinstance(data, str):
+        for words in _GOES_ON:
+            data = data.replace(words, "")
+        return data
+    if isinstance(data, dict):
+        return {key: one_shot(value) for key, value in data.items()}
+    if isinstance(data, list | tuple):
+        return [one_shot(value) for value in data]
+    return data
+
 
 class Output:
     """One command's writer; ``as_json`` chooses the JSON document over the human lines."""
@@ -24,19 +43,19 @@ class Output:
 
     def line(self, text: str = "") -> None:
         """A line of the human output (stderr under ``--json``: stdout is the document's)."""
-        click.echo(text, err=self.as_json)
+        click.echo(one_shot(text), err=self.as_json)
 
     def warn(self, text: str) -> None:
-        click.echo(f"warning: {text}", err=True)
+        click.echo(f"warning: {one_shot(text)}", err=True)
 
     def fail(self, text: str) -> None:
         """Why the command did not do what was asked (stderr, as a usage error's message)."""
-        click.echo(text, err=True)
+        click.echo(one_shot(text), err=True)
 
     def document(self, data: Any) -> None:
         """The ``--json`` answer; written only under ``--json``."""
         if self.as_json:
-            click.echo(json.dumps(data))
+            click.echo(json.dumps(one_shot(data)))
 
     def table(self, header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
         widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]

@@ -8,6 +8,7 @@ command line wins.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -34,8 +35,23 @@ def split_masters(ctx: click.Context, param: click.Parameter, value: str | None)
         return None
     urls = [url.strip() for url in value.split(",") if url.strip()]
     if not urls:
-        raise click.BadParameter(f"no master URL in {value!r}: expected redis://host:port[,redis://...]")
+        # click records where a value came from only after this callback: a value equal to the
+        # environment variable's is taken to be from there (if the option said the same, the
+        # variable is as wrong).
+        envvar = param.envvar if isinstance(param.envvar, str) else None
+        from_env = envvar is not None and os.environ.get(envvar) == value
+        raise click.BadParameter(
+            f"no master URL in {value!r}: expected redis://host:port[,redis://...]",
+            ctx,
+            param_hint=f"${envvar}" if from_env else "'--masters'",
+        )
     return urls
+
+
+def _masters_hint(ctx: click.Context) -> str:
+    """Where the masters' bad value came from: the option, or the environment variable."""
+    source = ctx.get_parameter_source("masters")
+    return f"${MASTERS_ENV}" if source == click.core.ParameterSource.ENVIRONMENT else "'--masters'"
 
 
 class Standalone:
@@ -83,9 +99,7 @@ class Standalone:
         except ConfigError as exc:
             # The other options' values are checked by their click types: what Redlock
             # refuses here is a master URL.
-            source = ctx.get_parameter_source("masters")
-            hint = f"${MASTERS_ENV}" if source == click.core.ParameterSource.ENVIRONMENT else "'--masters'"
-            raise click.BadParameter(str(exc), ctx, param_hint=hint) from None
+            raise click.BadParameter(str(exc), ctx, param_hint=_masters_hint(ctx)) from None
         return _Session(redlock)
 
 

@@ -45,6 +45,11 @@ logger = logging.getLogger("celery_redlock.masters")
 # BACKOFF_CAP); a restarted one is back within BACKOFF_CAP plus one connect.
 BACKOFF_FLOOR = 0.05
 BACKOFF_CAP = 1.0
+# What a failure's reason adds for a process that goes on: the connect is retried, and one a
+# round stopped waiting for may still serve a later round. A one-shot command (the operators'
+# CLI) ends before either happens, and leaves these out of what it prints.
+RETRIED = " (retried in the background)"
+STILL_TRYING = " (still trying, for later rounds)"
 # A round that finds no idle link for a master begins a connect of its own, however many are
 # under way already (others' connects serve their own rounds): a burst of rounds on a healthy
 # master must never vote error, or send its releases nowhere, for want of a link. Unless one is
@@ -473,7 +478,7 @@ class Master:
     def _went_down(self, reason: str) -> None:
         self._failed_at = time.monotonic()
         self._backoff = min(BACKOFF_CAP, max(BACKOFF_FLOOR, 2 * self._backoff))
-        self._down_reason = f"down: {reason} (retried in the background)"
+        self._down_reason = f"down: {reason}{RETRIED}"
         self._down_until = time.monotonic() + self._backoff
         self._schedule_retry(self._backoff)  # no-op while a retry is scheduled or under way
 

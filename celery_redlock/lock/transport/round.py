@@ -30,7 +30,7 @@ from .handshake import NOT_REDIS
 from .identity import identify
 from .link import IO_ERRORS, Link
 from .linkset import LinkSet, checked, settle, sleep_on
-from .master import Master
+from .master import STILL_TRYING, Master
 
 logger = logging.getLogger("celery_redlock.masters")
 
@@ -201,7 +201,7 @@ class Round:
         finally:
             why = f"not connected within {time.monotonic() - self._waits_from:.2f} s, the round's deadline"
             for i in waiting.values():
-                self.failures[i] = f"{why} (still trying, for later rounds)"
+                self.failures[i] = f"{why}{STILL_TRYING}"
             self._abandon([(i, future) for future, i in waiting.items()])
 
     def _abandon(self, pending: Pending) -> None:
