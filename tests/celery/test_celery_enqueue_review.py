@@ -224,8 +224,10 @@ def test_a_worker_on_other_masters_leaves_the_marker_stuck_and_says_nothing(
 
 
 @pytest.mark.timeout(90)
+# Not strict: the limit shows only when the duplicate is published while the copy is still in its
+# lock retries, and a loaded machine decides whether it is (CI saw it pass once).
 @pytest.mark.xfail(
-    strict=True,
+    strict=False,
     reason="known limit, documented in docs/enqueue.md: the redelivered copy waits in lock retries "
     "for its dead predecessor's lock to expire, and a duplicate published in the gap is queued",
 )
