@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
+from celery_redlock.testing.celery import stop_all
 from tests.waiting import wait_for as wait_for  # the Celery tests import it from here
 
 HERE = Path(__file__).resolve().parent
@@ -83,9 +84,8 @@ def worker_pools(
             started[pool] = (queue, workers)
         yield started
     finally:
-        for _, workers in started.values():
-            for worker in workers:
-                worker.stop()
+        # Tests are over: a task some test left running is not waited for past a short grace.
+        stop_all([w for _, workers in started.values() for w in workers], timeout=5.0)
 
 
 @pytest.fixture(params=sorted(POOLS))

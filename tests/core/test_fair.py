@@ -339,22 +339,33 @@ def test_poll_mode_keeps_arrival_order_too(masters: ServerSet, rl: Redlock) -> N
     a whole second between later attempts (a nap between probe and join let later arrivals
     join first)."""
     holds = Holds()
+    # Each waiter's client is connected (and its scripts loaded) before the arrivals start:
+    # "arrival" is the call to acquire, so the spacing must not also hold five connects, which
+    # under a loaded machine took longer than the spacing and let a later waiter join first.
+    clients = [Redlock(masters.urls, wait="poll", retry_delay=1.0, request_timeout=0.2) for _ in range(6)]
+    for own in clients:
+        warm = own.lock("poll-order-warm", ttl=5, fair=True)
+        assert take(warm, within=10)
+        warm.release()
 
     def run(who: int) -> None:
-        with Redlock(masters.urls, wait="poll", retry_delay=1.0, request_timeout=0.2) as own:
-            lock = own.lock("poll-order", ttl=10, fair=True)
-            if lock.acquire(timeout=30):
-                holds.hold(who, lock)
+        lock = clients[who].lock("poll-order", ttl=10, fair=True)
+        if lock.acquire(timeout=30):
+            holds.hold(who, lock)
 
     holder = rl.lock("poll-order", ttl=10, fair=True)
     assert take(holder)
     threads = []
-    for who in range(6):
-        threads.append(threading.Thread(target=run, args=(who,), daemon=True))
-        threads[-1].start()
-        time.sleep(0.3)  # the arrivals' spacing is the scenario, not a wait for an event
-    holder.release()
-    for thread in threads:
-        thread.join(40)
+    try:
+        for who in range(6):
+            threads.append(threading.Thread(target=run, args=(who,), daemon=True))
+            threads[-1].start()
+            time.sleep(0.3)  # the arrivals' spacing is the scenario, not a wait for an event
+        holder.release()
+        for thread in threads:
+            thread.join(40)
+    finally:
+        for own in clients:
+            own.close()
     assert holds.order == list(range(6))
     assert holds.overlaps == 0
