@@ -23,12 +23,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, overload
+from collections.abc import Callable, Sequence
+from typing import Literal, overload
 
 from .._fork import on_fork_in_child, pid
-from .._validate import choice
-from ..errors import ConfigError, Vote
+from ..errors import Vote
 from . import rounds
 from .clock import now
 from .commands import PLAIN, Commands, milliseconds
@@ -38,7 +37,7 @@ from .holder import agreed
 from .reentrant import ReentrantLock
 from .resource import Lock, lock_key
 from .rounds import drive
-from .settings import CLOCK_DRIFT_FLOOR, MAX_TTL, RedlockWarning, Settings, _min_ttl
+from .settings import CLOCK_DRIFT_FLOOR, MAX_TTL, RedlockWarning, Settings, _min_ttl, lock_kind
 from .subscriber import Subscriber
 from .transport.commands import Command, Outcome
 from .transport.fast import FastTransport
@@ -83,36 +82,10 @@ class Redlock(Settings):
     be relied on to leave any validity; so is one above :data:`MAX_TTL`, which no server takes.
     """
 
-    def __init__(
-        self,
-        masters: Iterable[str | Any],
-        *,
-        ttl: float = 30.0,
-        retry_count: int = 3,
-        retry_delay: float = 0.2,
-        drift_factor: float = 0.01,
-        request_timeout: float = 0.1,
-        key_prefix: str = "redlock:",
-        release_linger: float = 0.0,
-        wait: str = "release",
-        wait_poll: float | None = None,
-        fence_retention: float = 86400.0,
-        transport: str = "fast",
-    ) -> None:
-        super().__init__(
-            masters,
-            ttl=ttl,
-            retry_count=retry_count,
-            retry_delay=retry_delay,
-            drift_factor=drift_factor,
-            request_timeout=request_timeout,
-            key_prefix=key_prefix,
-            release_linger=release_linger,
-            wait=wait,
-            wait_poll=wait_poll,
-            fence_retention=fence_retention,
-        )
-        self.transport: Transport = _transport(choice("transport", transport, TRANSPORTS), self.masters)
+    TRANSPORTS = TRANSPORTS
+
+    def _open(self) -> None:
+        self.transport: Transport = _transport(self.transport_kind, self.masters)
         # Every operation's exchange with the masters; bound once (the hot path's one lookup).
         self._round: Callable[[], Exchange] = self.transport.round
         on_fork_in_child(self.transport.after_fork_in_child)
@@ -188,21 +161,13 @@ class Redlock(Settings):
         resource to refuse a paused holder's late write (:mod:`celery_redlock.fenced`). Costs a
         second round per grant. Not combined with ``reentrant`` or ``fair``.
         """
-        for option, value in (("fair", fair), ("fenced", fenced)):
-            if value is not False and value is not True:
-                raise ConfigError(f"{option} must be True or False, got {value!r}")
-        if fenced:
-            if reentrant is not False or fair:
-                raise ConfigError("fenced=True cannot be combined with reentrant=True or fair=True")
+        kind = lock_kind(reentrant=reentrant, fair=fair, fenced=fenced)
+        if kind == "fenced":
             return FencedLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
-        if fair:
-            if reentrant is not False:
-                raise ConfigError("fair=True cannot be combined with reentrant=True")
+        if kind == "fair":
             return FairLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
-        if reentrant is True:
+        if kind == "reentrant":
             return ReentrantLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
-        if reentrant is not False:
-            raise ConfigError(f"reentrant must be True or False, got {reentrant!r}")
         return Lock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
 
     def close(self) -> None:

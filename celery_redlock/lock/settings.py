@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .._validate import choice, count, number
+from .._validate import choice, count, flag, number
 from ..errors import ConfigError
 from .tally import Tally
 from .transport.commands import Outcome
@@ -30,9 +30,9 @@ CLOCK_DRIFT_FLOOR = 0.002
 # every acquire would fail on every master ("invalid expire time" or "not an integer").
 MAX_TTL = 9.2e15
 _MAX_TTL_WHY = "the servers count a TTL in milliseconds added to their clock, in 63 bits"
-# Warnings are raised from Settings.__init__, which a subclass's __init__ calls: two frames up
-# is the caller's line.
-_CALLER = 3
+# Warnings are raised from Settings.__init__, which the client classes inherit: one frame up is
+# the caller's line.
+_CALLER = 2
 
 
 class RedlockWarning(UserWarning):
@@ -41,7 +41,10 @@ class RedlockWarning(UserWarning):
 
 class Settings:
     """The checked settings of a Redlock and the rules that read them (see ``Redlock``'s
-    docstring for each setting). Opens no connection."""
+    docstring for each setting). A client class names the transports it has in ``TRANSPORTS``
+    (the first is its default) and makes them in ``_open``, which connects nothing yet."""
+
+    TRANSPORTS: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -57,6 +60,7 @@ class Settings:
         wait: str = "release",
         wait_poll: float | None = None,
         fence_retention: float = 86400.0,
+        transport: str | None = None,
     ) -> None:
         if isinstance(masters, (str, bytes)):
             masters = [masters]
@@ -119,6 +123,14 @@ class Settings:
         self.quorum = len(self.masters) // 2 + 1
         # Outcomes to votes, for every kind of lock (lock/tally.py).
         self.tally = Tally([m.name for m in self.masters])
+        self.transport_kind = choice(
+            "transport", self.TRANSPORTS[0] if transport is None else transport, self.TRANSPORTS
+        )
+        self._open()
+
+    def _open(self) -> None:
+        """Make what carries the commands (``self.transport_kind``), connecting nothing yet."""
+        raise NotImplementedError
 
     def drift(self, ttl: float) -> float:
         return ttl * self.drift_factor + CLOCK_DRIFT_FLOOR
@@ -168,3 +180,23 @@ def _min_ttl(request_timeout: float, drift_factor: float) -> float:
     """
     raw = (CLOCK_DRIFT_FLOOR + request_timeout) / (1 - drift_factor)
     return math.ceil(raw * 1000 - 1e-9) / 1000
+
+
+def lock_kind(*, reentrant: object, fair: object, fenced: object) -> str:
+    """Which lock ``lock()``'s flags ask for: "fenced", "fair", "reentrant" or "plain". A flag that
+    is not True or False, or a fenced or fair lock asked to be another kind too, is a
+    :class:`ConfigError` (the masters hold each kind in its own form)."""
+    is_reentrant, is_fair, is_fenced = (
+        flag("reentrant", reentrant),
+        flag("fair", fair),
+        flag("fenced", fenced),
+    )
+    if is_fenced:
+        if is_reentrant or is_fair:
+            raise ConfigError("fenced=True cannot be combined with reentrant=True or fair=True")
+        return "fenced"
+    if is_fair:
+        if is_reentrant:
+            raise ConfigError("fair=True cannot be combined with reentrant=True")
+        return "fair"
+    return "reentrant" if is_reentrant else "plain"

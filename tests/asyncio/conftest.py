@@ -8,6 +8,7 @@ the test if a task of ours is left behind (see ``test_aclose_leaves_no_task``)."
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -45,3 +46,18 @@ def keys_on(masters: ServerSet, pattern: str = "redlock:*") -> list[list[bytes]]
             finally:
                 client.close()
     return found
+
+
+async def take(lock: Any, within: float = 5.0) -> bool:
+    """``await lock.acquire(blocking=False)`` for a test whose subject is not the single attempt:
+    an attempt that failed only because answers came late (a loaded host's first connects: no
+    master said the key is held) is made again, until ``within``. A refusal by a holder is final
+    at once, so a test that means "the key is free now" still fails when it is not."""
+    deadline = time.monotonic() + within
+    while True:
+        if await lock.acquire(blocking=False):
+            return True
+        error = lock.last_error
+        held = error is None or any(vote.kind == "held" for vote in error.votes)
+        if held or time.monotonic() >= deadline:
+            return False

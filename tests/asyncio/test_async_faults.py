@@ -13,7 +13,7 @@ from celery_redlock import AsyncRedlock
 from celery_redlock.testing import ServerSet
 from tests.waiting import wait_for
 
-from .conftest import keys_on, run
+from .conftest import keys_on, run, take
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -23,7 +23,7 @@ def test_a_paused_master_costs_a_round_at_most_request_timeout(masters: ServerSe
         took = []
         async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as rl:
             lock = rl.lock("paused")
-            assert await lock.acquire(blocking=False)  # every link made
+            assert await take(lock)  # every link made
             await lock.release()
             masters[0].pause()
             try:
@@ -68,7 +68,7 @@ def test_a_cancelled_acquire_retracts_what_it_may_have_taken(masters: ServerSet)
     async def main() -> None:
         async with AsyncRedlock(masters.urls, ttl=30.0, request_timeout=2.0) as rl:
             warm = rl.lock("warm")
-            assert await warm.acquire(blocking=False)  # links made, then idle
+            assert await take(warm)  # links made, then idle
             await warm.release()
             for server in masters:
                 server.pause()  # the SET is written, and answered only after the cancellation
@@ -124,7 +124,7 @@ def test_nothing_blocks_the_event_loop(masters: ServerSet) -> None:
         masters[1].pause()  # connects to it wait on the loop, never in it
         masters[2].kill()
         try:
-            async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as rl:
+            async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.5) as rl:
 
                 async def work() -> None:
                     for k in range(150):
@@ -144,8 +144,9 @@ def test_nothing_blocks_the_event_loop(masters: ServerSet) -> None:
 
     baseline, lag = run(main())
     # Each step of the work is a few hundred microseconds of Python at most; a blocking connect
-    # or read would show as a lag of a request_timeout (0.2 s) or more.
-    assert lag < max(0.05, 5 * baseline), (baseline, lag)
+    # or read would show as a lag of a request_timeout (0.5 s) or more. The bound sits well under
+    # that and well over what a loaded machine's scheduling adds (66 ms seen beside a CI run).
+    assert lag < max(0.3, 5 * baseline), (baseline, lag)
 
 
 def test_aclose_leaves_no_task(masters: ServerSet) -> None:

@@ -11,7 +11,7 @@ from celery_redlock import AsyncRedlock, LockLost, LockNotAcquired
 from celery_redlock.testing import ServerSet
 from tests.waiting import wait_for
 
-from .conftest import keys_on, run
+from .conftest import keys_on, run, take
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,7 +46,7 @@ def test_acquire_release_and_refusal(masters: ServerSet) -> None:
     async def main() -> None:
         async with AsyncRedlock(masters.urls, ttl=5.0, retry_count=0) as rl:
             lock, other = rl.lock("job"), rl.lock("job")
-            assert await lock.acquire(blocking=False)
+            assert await take(lock)
             assert lock.owned() and 4.5 < lock.validity <= 5.0
             assert not await other.acquire(blocking=False)
             assert other.last_error is not None and other.last_error.held_by_other
@@ -54,7 +54,7 @@ def test_acquire_release_and_refusal(masters: ServerSet) -> None:
             assert await lock.release()
             assert not lock.owned()
             # Release-then-acquire: another acquire started after release() returned is granted.
-            assert await other.acquire(blocking=False)
+            assert await take(other)
             await other.release()
 
     run(main())
@@ -82,7 +82,7 @@ def test_fences_grow_from_grant_to_grant(masters: ServerSet) -> None:
         async with AsyncRedlock(masters.urls, ttl=5.0) as rl:
             for _ in range(3):
                 lock = rl.lock("fenced", fenced=True)
-                assert await lock.acquire(blocking=False)
+                assert await take(lock)
                 assert lock.fence is not None
                 fences.append(lock.fence)
                 await lock.release()
@@ -132,7 +132,7 @@ def test_scripts_lost_by_every_master_are_sent_again(masters: ServerSet) -> None
     async def main() -> None:
         async with AsyncRedlock(masters.urls, ttl=5.0) as rl:
             lock = rl.lock("flushed", reentrant=True)
-            assert await lock.acquire(blocking=False)  # links made: every script loaded
+            assert await take(lock)  # links made: every script loaded
             for server in masters:
                 client = server.client()
                 client.script_flush()

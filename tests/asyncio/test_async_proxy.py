@@ -14,7 +14,7 @@ from celery_redlock import AsyncRedlock
 from celery_redlock.testing import ProxySet, ServerSet
 from tests.waiting import wait_for
 
-from .conftest import keys_on, run
+from .conftest import keys_on, run, take
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -42,7 +42,7 @@ def test_a_master_with_late_replies_bounds_every_round_and_keeps_no_key(
         took = []
         async with AsyncRedlock(proxies.urls, ttl=10.0, request_timeout=0.2) as rl:
             warm = rl.lock("warm")
-            assert await warm.acquire(blocking=False)  # every link made
+            assert await take(warm)  # every link made
             await warm.release()
             proxies[0].delay(0.5, "down")  # its replies come after every round's deadline
             for _ in range(3):
@@ -68,7 +68,7 @@ def test_links_reset_mid_round_cost_a_minority_nothing_and_are_made_again(
     async def main() -> tuple[list[str], list[str]]:
         async with AsyncRedlock(proxies.urls, ttl=10.0, request_timeout=0.3, retry_count=0) as rl:
             lock = rl.lock("reset")
-            assert await lock.acquire(blocking=False)
+            assert await take(lock)
             proxies[1].cut()  # both links reset under the held lock
             proxies[2].cut()
             assert await lock.extend()  # a quorum of three still answers
@@ -79,7 +79,7 @@ def test_links_reset_mid_round_cost_a_minority_nothing_and_are_made_again(
             await asyncio.sleep(0.1)  # past the connect backoff's floor
             again = rl.lock("reset")
             for _ in range(20):  # reconnects come back within the backoff (at most 1 s)
-                assert await again.acquire(blocking=False)
+                assert await take(again)
                 after = [v.kind for v in again.last_votes]
                 await again.release()
                 if after == ["yes"] * 5:
@@ -100,7 +100,7 @@ def test_a_release_whose_bytes_are_dropped_is_delivered_once_the_link_is_back(
     async def main() -> None:
         async with AsyncRedlock(proxies.urls, ttl=30.0, request_timeout=0.2) as rl:
             lock = rl.lock("dropped")
-            assert await lock.acquire(blocking=False)
+            assert await take(lock)
             proxies[4].drop()  # the release to this master is thrown away
             assert await lock.release()  # four of five answered
             assert keys_on(masters)[4] != []
@@ -116,7 +116,7 @@ def test_a_waiter_whose_listening_link_is_cut_still_gets_the_lock(
     async def main() -> tuple[bool, int]:
         async with AsyncRedlock(proxies.urls, ttl=10.0, wait_poll=0.5) as rl:
             held = rl.lock("deaf")
-            assert await held.acquire(blocking=False)
+            assert await take(held)
             waiting = asyncio.create_task(rl.lock("deaf").acquire(timeout=10))
             await asyncio.sleep(0.3)
             for proxy in proxies:

@@ -14,7 +14,7 @@ import pytest
 from celery_redlock import AsyncRedlock, LockNotAcquired
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on, run
+from .conftest import keys_on, run, take
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,7 +28,7 @@ def test_a_waiter_is_woken_by_the_release(masters: ServerSet) -> None:
             AsyncRedlock(masters.urls, ttl=10.0, **SLOW) as waiter_rl,
         ):
             held = holder_rl.lock("woken")
-            assert await held.acquire(blocking=False)
+            assert await take(held)
             waiting = asyncio.create_task(waiter_rl.lock("woken").acquire(timeout=8))
             await asyncio.sleep(0.5)  # it joined the room, tried again, and sleeps
             listening = waiter_rl.subscriber.listening()
@@ -78,7 +78,7 @@ def test_an_abandoned_lock_wakes_its_waiter_when_it_expires(masters: ServerSet) 
     async def main() -> float:
         async with AsyncRedlock(masters.urls, ttl=10.0, **SLOW) as rl:
             gone = rl.lock("abandoned", ttl=0.6)
-            assert await gone.acquire(blocking=False)
+            assert await take(gone)
             gone._token = None  # its holder vanished without a release (a crashed process)
             started = time.monotonic()
             assert await rl.lock("abandoned").acquire(timeout=8)
@@ -93,7 +93,7 @@ def test_fair_waiters_take_the_lock_in_arrival_order(masters: ServerSet) -> None
         order: list[int] = []
         async with AsyncRedlock(masters.urls, ttl=10.0, **SLOW) as rl:
             held = rl.lock("queue", fair=True)
-            assert await held.acquire(blocking=False)
+            assert await take(held)
 
             async def waiter(k: int) -> None:
                 async with rl.lock("queue", fair=True, timeout=15):
@@ -118,7 +118,7 @@ def test_wait_poll_mode_still_polls(masters: ServerSet) -> None:
     async def main() -> bool:
         async with AsyncRedlock(masters.urls, ttl=10.0, wait="poll", retry_delay=0.05) as rl:
             held = rl.lock("polled")
-            assert await held.acquire(blocking=False)
+            assert await take(held)
             waiting = asyncio.create_task(rl.lock("polled").acquire(timeout=5))
             await asyncio.sleep(0.2)
             assert rl.subscriber.listening() == 0  # no listening link in poll mode
@@ -150,7 +150,7 @@ def test_a_cancelled_waiter_leaves_its_room_and_aclose_ends_the_listeners(master
     async def main() -> set[asyncio.Task[object]]:
         rl = AsyncRedlock(masters.urls, ttl=10.0, **SLOW)
         held = rl.lock("left")
-        assert await held.acquire(blocking=False)
+        assert await take(held)
         waiting = asyncio.create_task(rl.lock("left").acquire(timeout=8))
         await asyncio.sleep(0.3)
         waiting.cancel()
@@ -170,7 +170,7 @@ def test_a_reentrant_waiter_is_woken_by_the_release(masters: ServerSet) -> None:
     async def main() -> tuple[float, int]:
         async with AsyncRedlock(masters.urls, ttl=10.0, **SLOW) as rl:
             held = rl.lock("re-woken", reentrant=True)
-            assert await held.acquire(blocking=False)
+            assert await take(held)
 
             async def other() -> bool:  # another task: not the holder, so it waits
                 lock = rl.lock("re-woken", reentrant=True)

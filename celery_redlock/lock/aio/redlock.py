@@ -10,7 +10,7 @@ and nothing of it outlives :meth:`AsyncRedlock.aclose`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from ..._validate import flag
@@ -19,7 +19,7 @@ from .. import rounds
 from ..commands import PLAIN, Commands
 from ..holder import agreed
 from ..rounds import Steps
-from ..settings import Settings
+from ..settings import Settings, lock_kind
 from ..state import lock_key
 from ..transport.commands import Command
 from .exchange import AsyncTransport, drive
@@ -44,10 +44,9 @@ class AsyncRedlock(Settings):
     every task it started (connects, keep-alives, listening links, deliveries of releases).
     """
 
-    def __init__(self, masters: Iterable[str | Any], **settings: Any) -> None:
-        if settings.pop("transport", "asyncio") != "asyncio":
-            raise ConfigError("AsyncRedlock has one transport, asyncio")
-        super().__init__(masters, **settings)
+    TRANSPORTS = ("asyncio",)
+
+    def _open(self) -> None:
         self.transport = AsyncTransport(self.masters, self.request_timeout)
         # The waiters' listening links; nothing is connected, and no task runs, until a wait.
         self.subscriber = AsyncSubscriber(self.transport, self.request_timeout)
@@ -78,22 +77,13 @@ class AsyncRedlock(Settings):
         ``reentrant=True``: an :class:`~.reentrant.AsyncReentrantLock`, re-entered by the asyncio
         task that holds it. ``fair=True``: an :class:`~.fair.AsyncFairLock`, whose waiters take it
         in arrival order."""
-        for option, value in (
-            ("fair", fair),
-            ("fenced", fenced),
-            ("keepalive", keepalive),
-            ("reentrant", reentrant),
-        ):
-            flag(option, value)
-        if fenced and (reentrant or fair):
-            raise ConfigError("fenced=True cannot be combined with reentrant=True or fair=True")
-        if fair:
-            if reentrant:
-                raise ConfigError("fair=True cannot be combined with reentrant=True")
+        kind = lock_kind(reentrant=reentrant, fair=fair, fenced=fenced)
+        flag("keepalive", keepalive)
+        if kind == "fair":
             return AsyncFairLock(
                 self, name, ttl, timeout=timeout, blocking=blocking, holder=holder, keepalive=keepalive
             )
-        if reentrant:
+        if kind == "reentrant":
             return AsyncReentrantLock(
                 self, name, ttl, timeout=timeout, blocking=blocking, holder=holder, keepalive=keepalive
             )
