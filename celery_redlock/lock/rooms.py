@@ -67,6 +67,18 @@ class Room:
         self.empty_since: float | None = None
 
 
+def enter(rooms: dict[bytes, Room], channel: bytes, member: str | None) -> tuple[Room, Waiter]:
+    """A new waiter in ``channel``'s room (made if there is none); a fair waiter has its
+    ``member``. The caller then has the room subscribed and waits for its confirmations."""
+    waiter = Waiter(None if member is None else member.encode())
+    room = rooms.get(channel)
+    if room is None:
+        room = rooms[channel] = Room(channel)
+    room.waiters.append(waiter)
+    room.empty_since = None
+    return room, waiter
+
+
 def mark(room: Room | None, waiter: Waiter) -> None:
     """Just before an attempt: notices before this point are forgotten; the masters confirmed
     now are those the attempt may rely on."""

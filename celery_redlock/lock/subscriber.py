@@ -103,14 +103,8 @@ class Subscriber:
         """A waiter in ``key``'s room; waits (by ``deadline``) for the masters to confirm the
         room's subscription, so the first attempt after this can rely on them. A fair waiter
         passes its ``member``."""
-        channel = key.encode()
-        waiter = Waiter(None if member is None else member.encode())
         with self._cond:
-            room = self._rooms.get(channel)
-            if room is None:
-                room = self._rooms[channel] = Room(channel)
-            room.waiters.append(waiter)
-            room.empty_since = None
+            room, waiter = rooms.enter(self._rooms, key.encode(), member)
             self._start()
             self._wake()
             while True:

@@ -3,8 +3,8 @@
 The handshake is the blocking transports' (:mod:`..transport.handshake`): AUTH, CLIENT SETNAME
 and SELECT as the master's options ask, ``INFO server`` and ``INFO replication`` (its run id,
 and whether it is a Redis master of its own), then a ``SCRIPT LOAD`` of every script, all in one
-write; every reply is judged by the same checks (``Master._check_handshake``, ``check_identity``,
-``Master._check_loads``). Only the socket is asyncio's.
+write; the replies are judged by the same rule (``Master.accept_handshake``). Only the socket is
+asyncio's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import redis
 from ...errors import ConfigError
 from .. import wire
 from ..transport.commands import Outcome, script_loads
-from ..transport.handshake import Silent, check_identity, handshake_commands, info_field
+from ..transport.handshake import Silent, handshake_commands
 from ..transport.master import Master
 from .link import Entry, Link, Sink
 from .site import Site
@@ -85,16 +85,10 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
                 f"accepted the connection and did not answer within {site.request_timeout:g} s (a "
                 "connect's bound: request_timeout; a paused or overloaded server, or no Redis server)"
             ) from None
-        values = [_value(outcome) for outcome in replies.values]
-        answers, loaded = values[: len(commands)], values[len(commands) :]
-        for command, reply in zip(commands, answers, strict=True):
-            master._check_handshake(command[0], reply)
-        check_identity(answers[-2], answers[-1])
-        master._check_loads(loaded)
+        link.run_id = master.accept_handshake(commands, [_value(o) for o in replies.values])
     except BaseException:
         link.close()
         raise
-    link.run_id = info_field(answers[-2], b"run_id")
     return link
 
 

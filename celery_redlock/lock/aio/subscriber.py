@@ -102,13 +102,7 @@ class AsyncSubscriber:
     async def join(self, key: str, deadline: float, member: str | None = None) -> Waiter:
         """A waiter in ``key``'s room; waits (by ``deadline``, on :func:`..clock.now`) for the
         masters to confirm the room's subscription, as ``Subscriber.join`` does."""
-        channel = key.encode()
-        waiter = Waiter(None if member is None else member.encode())
-        room = self._rooms.get(channel)
-        if room is None:
-            room = self._rooms[channel] = Room(channel)
-        room.waiters.append(waiter)
-        room.empty_since = None
+        room, waiter = rooms.enter(self._rooms, key.encode(), member)
         self._start()
         self._wake_tender()
         while True:

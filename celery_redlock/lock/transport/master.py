@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 from urllib.parse import urlparse
@@ -515,16 +516,22 @@ class Master:
                     f"connect's bound: request_timeout, {self._request_timeout:g} s; a paused or "
                     "overloaded server, or no Redis server)"
                 ) from None
-            replies, loaded = replies[: len(commands)], replies[len(commands) :]
-            for command, reply in zip(commands, replies, strict=True):
-                self._check_handshake(command[0], reply)
-            check_identity(replies[-2], replies[-1])
-            self._check_loads(loaded)
+            link.run_id = self.accept_handshake(commands, replies)
         except BaseException:
             conn.disconnect()
             raise
-        link.run_id = info_field(replies[-2], b"run_id")
         return link
+
+    def accept_handshake(self, commands: Sequence[Sequence[Any]], replies: list[Any]) -> str:
+        """Check a new link's replies (its handshake's, then its script loads') and return the
+        server's run_id; raises, as a connect does, for a server the lock cannot use. Every
+        transport's links are accepted here, so that one rule says which servers are masters."""
+        answers, loaded = replies[: len(commands)], replies[len(commands) :]
+        for command, reply in zip(commands, answers, strict=True):
+            self._check_handshake(command[0], reply)
+        check_identity(answers[-2], answers[-1])
+        self._check_loads(loaded)
+        return info_field(answers[-2], b"run_id")
 
     def _check_loads(self, replies: list[Any]) -> None:
         """A refused SCRIPT LOAD (an ACL without it) leaves the link usable: each script is then
