@@ -4,6 +4,7 @@ independent Redis master at all.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -13,6 +14,8 @@ from redis.credentials import UsernamePasswordCredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
+
+from .. import wire
 
 # Why a Sentinel-managed master is refused.
 FAILOVER = (
@@ -119,3 +122,35 @@ def describe(connection_class: type[redis.Connection], kwargs: dict[str, Any]) -
         name = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 6379)}"
     db = int(kwargs.get("db") or 0)
     return f"{name}/{db}" if db else name
+
+
+def accept(commands: Sequence[Sequence[Any]], replies: list[Any], refused: Callable[[str, str], None]) -> str:
+    """Judge a new link's replies (its handshake's ``commands``', then its script loads') and
+    return the server's run_id; raises for a server the lock cannot use, and reports through
+    ``refused`` (``Master.refused``) a refusal that leaves the link usable."""
+    answers, loaded = replies[: len(commands)], replies[len(commands) :]
+    for command, reply in zip(commands, answers, strict=True):
+        _check_reply(str(command[0]), reply, refused)
+    check_identity(answers[-2], answers[-1])
+    # A refused SCRIPT LOAD (an ACL without it) leaves the link usable: each script is then
+    # cached by the EVAL sent after its first NOSCRIPT. Reported, as that costs a round trip.
+    refusal = next((reply for reply in loaded if isinstance(reply, wire.ReplyError)), None)
+    if refusal is not None:
+        refused("refused SCRIPT LOAD (scripts go by EVAL after a NOSCRIPT)", refusal)
+    return info_field(answers[-2], b"run_id")
+
+
+def _check_reply(name: str, reply: Any, refused: Callable[[str, str], None]) -> None:
+    if name == "INFO":
+        # An INFO refused (renamed, or an ACL user without it) leaves the server unidentified,
+        # not unusable; one refused for want of AUTH means every command will be.
+        if isinstance(reply, wire.ReplyError) and not reply.startswith("NOAUTH"):
+            return
+        if isinstance(reply, bytes):
+            return
+    elif reply == b"OK":
+        return
+    if isinstance(reply, wire.ReplyError):
+        refused(f"refused {name} on a new connection", reply)
+        raise RedisConnectionError(f"{name} refused: {reply}")
+    raise wire.ProtocolError(f"{name} answered {reply!r}")  # an echo server, say

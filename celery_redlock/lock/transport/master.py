@@ -29,11 +29,10 @@ from .handshake import (
     NOT_REDIS,
     Silent,
     Unfit,
-    check_identity,
+    accept,
     connection_options,
     describe,
     handshake_commands,
-    info_field,
 )
 from .link import IO_ERRORS, Generation, Link, pop_usable
 from .threads import spawn
@@ -526,35 +525,7 @@ class Master:
         """Check a new link's replies (its handshake's, then its script loads') and return the
         server's run_id; raises, as a connect does, for a server the lock cannot use. Every
         transport's links are accepted here, so that one rule says which servers are masters."""
-        answers, loaded = replies[: len(commands)], replies[len(commands) :]
-        for command, reply in zip(commands, answers, strict=True):
-            self._check_handshake(command[0], reply)
-        check_identity(answers[-2], answers[-1])
-        self._check_loads(loaded)
-        return info_field(answers[-2], b"run_id")
-
-    def _check_loads(self, replies: list[Any]) -> None:
-        """A refused SCRIPT LOAD (an ACL without it) leaves the link usable: each script is then
-        cached by the EVAL sent after its first NOSCRIPT. Reported, as that costs a round trip."""
-        for reply in replies:
-            if isinstance(reply, wire.ReplyError):
-                self.refused("refused SCRIPT LOAD (scripts go by EVAL after a NOSCRIPT)", reply)
-                return
-
-    def _check_handshake(self, name: str, reply: Any) -> None:
-        if name == "INFO":
-            # An INFO refused (renamed, or an ACL user without it) leaves the server unidentified,
-            # not unusable; one refused for want of AUTH means every command will be.
-            if isinstance(reply, wire.ReplyError) and not reply.startswith("NOAUTH"):
-                return
-            if isinstance(reply, bytes):
-                return
-        elif reply == b"OK":
-            return
-        if isinstance(reply, wire.ReplyError):
-            self.refused(f"refused {name} on a new connection", reply)
-            raise RedisConnectionError(f"{name} refused: {reply}")
-        raise wire.ProtocolError(f"{name} answered {reply!r}")  # an echo server, say
+        return accept(commands, replies, self.refused)
 
     def give_back(self, link: Link) -> None:
         if not link.late and not self.refusal:  # one attribute read: see refuse()
