@@ -8,21 +8,24 @@ Uncontended: one event loop, one task, one resource, ``acquire(blocking=False)``
 ``release()``, timed per iteration. The *floor* (``floor_async.py``) is ``floor.py``'s commands
 over asyncio streams: ``SET NX PX`` written to every master and every reply awaited, then the
 release script by digest, replies awaited; no timeouts, votes or parser. Peers, where they can
-run: ``redis.asyncio``'s ``Lock`` (one server: N = 1 only) and pottery's ``AIORedlock``. Every
-implementation runs in alternating blocks in the same loop, so all see the same machine load.
+run: ``redis.asyncio``'s ``Lock`` (one server: N = 1 only), pottery's ``AIORedlock`` and
+redlock-ng's ``AsyncRedlock``. Every implementation runs in alternating blocks in the same loop,
+so all see the same machine load.
 
 Contended: ``--processes`` processes, each an event loop of ``--tasks`` tasks looping on one
 resource (a hold is one successful acquisition and its release; a failed try is retried at
 once). Every kind runs in every process, in alternating time slices of ``--slice`` seconds by
-the shared monotonic clock, each on its own key. An AsyncRedlock (and a redis.asyncio client)
-is shared by the tasks of its process, as an application shares one; the floor and pottery get
-one client per task (a raw stream serves one caller at a time; a pottery lock keeps its token).
+the shared monotonic clock, each on its own key. An AsyncRedlock (and a redis.asyncio client,
+and a redlock-ng ``AsyncRedlock``, whose acquire returns the held lock) is shared by the tasks of
+its process, as an application shares one; the floor and pottery get one client per task (a raw
+stream serves one caller at a time; a pottery lock keeps its token).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import importlib.util
 import multiprocessing
 import os
@@ -43,6 +46,18 @@ from celery_redlock.testing import ServerSet
 
 Step = Callable[[], Awaitable[bool]]
 HAVE_POTTERY = importlib.util.find_spec("pottery") is not None
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# redlock-ng's module is ``redlock``, as redlock-py's is: asked by its distribution's name.
+HAVE_REDLOCK_NG = _installed("redlock-ng")
 
 
 # -- one try of each kind: True when it held (and released) the lock -----------------------------
@@ -101,6 +116,27 @@ def pottery_try(clients: Sequence[redis.asyncio.Redis], key: str) -> Step:
     return attempt
 
 
+def redlock_ng_try(redlock: Any, key: str) -> Step:
+    """redlock-ng: ``acquire`` returns the held lock (or None); TTLs in milliseconds."""
+
+    async def attempt() -> bool:
+        held = await redlock.acquire(key, TTL_MS)
+        if held is None:
+            return False
+        await redlock.release(held)
+        return True
+
+    return attempt
+
+
+def redlock_ng(urls: Sequence[str]) -> Any:
+    """redlock-ng's AsyncRedlock: one attempt per acquire (``retry_count=0``), its clients' own
+    timeouts (0.1 s), one redis.asyncio client per master."""
+    from redlock import AsyncRedlock as NgAsyncRedlock
+
+    return NgAsyncRedlock(list(urls), retry_count=0)
+
+
 class Clients:
     """Every kind's clients for one process (or one uncontended run), and their closing."""
 
@@ -109,6 +145,7 @@ class Clients:
         self.redlock = AsyncRedlock(urls, ttl=TTL, retry_count=0)
         self.redis_py = redis.asyncio.Redis.from_url(urls[0]) if len(urls) == 1 else None
         self.pottery = [redis.asyncio.Redis.from_url(u) for u in urls] if HAVE_POTTERY else []
+        self.redlock_ng = redlock_ng(urls) if HAVE_REDLOCK_NG else None
         self.floors: list[AsyncRawMasters] = []
 
     async def floor(self) -> AsyncRawMasters:
@@ -126,13 +163,16 @@ class Clients:
             steps["redis.asyncio Lock"] = redis_py_try(self.redis_py, f"{key}:redis-py")
         if self.pottery:
             steps["pottery AIORedlock"] = pottery_try(self.pottery, f"{key}:pottery")
+        if self.redlock_ng is not None:
+            steps["redlock-ng AsyncRedlock"] = redlock_ng_try(self.redlock_ng, f"{key}:redlock-ng")
         return steps
 
     async def aclose(self) -> None:
         await self.redlock.aclose()
         for floor in self.floors:
             await floor.aclose()
-        for client in [*([self.redis_py] if self.redis_py else []), *self.pottery]:
+        ng = self.redlock_ng.client.instances if self.redlock_ng is not None else []
+        for client in [*([self.redis_py] if self.redis_py else []), *self.pottery, *ng]:
             await client.aclose()
 
 
@@ -221,7 +261,7 @@ def contended(
     start_at = StartSignal(ctx)
     ready = ctx.Queue()
     results = ctx.Queue()
-    kinds = 2 + (len(urls) == 1) + HAVE_POTTERY
+    kinds = 2 + (len(urls) == 1) + HAVE_POTTERY + HAVE_REDLOCK_NG
     slices = kinds * max(1, round(duration / slice_length))
     slice_length = kinds * duration / slices
     key = f"bench:async:contended:{len(urls)}"
@@ -276,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--masters, --iterations, --block, --processes and --tasks must be positive")
     print(
         f"python {sys.version.split()[0]}, redis-py {redis.__version__}, pottery "
-        f"{'yes' if HAVE_POTTERY else 'not installed'}, {os.cpu_count()} cpus, "
+        f"{'yes' if HAVE_POTTERY else 'not installed'}, redlock-ng "
+        f"{importlib.metadata.version('redlock-ng') if HAVE_REDLOCK_NG else 'not installed'}, "
+        f"{os.cpu_count()} cpus, "
         f"load average {os.getloadavg()[0]:.2f} at start"
     )
     unc_rows: list[list[object]] = []

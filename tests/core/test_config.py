@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -12,7 +10,8 @@ import redis
 
 from celery_redlock import ConfigError, Redlock, RedlockWarning
 from celery_redlock.lock.resource import MAX_NAME_LENGTH
-from celery_redlock.testing import RedisServer, ServerSet, free_port
+from celery_redlock.testing import RedisServer, ServerSet
+from tests import tls
 
 from .conftest import take
 
@@ -163,100 +162,9 @@ def test_raw_redis_errors_never_escape(redlock_masters: ServerSet) -> None:
     assert client.type("redlock:wrongtype") == b"list"
 
 
-# What a strict verifier (Python 3.13's default context sets VERIFY_X509_STRICT) requires of a
-# private CA and its server certificate; docs/operations.md ("TLS masters") says the same to users.
-_CA_EXTENSIONS = (
-    "basicConstraints=critical,CA:TRUE",
-    "keyUsage=critical,keyCertSign,cRLSign",
-    "subjectKeyIdentifier=hash",
-)
-_SERVER_EXTENSIONS = """\
-basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=serverAuth
-subjectKeyIdentifier=hash
-authorityKeyIdentifier=keyid,issuer
-subjectAltName=IP:127.0.0.1,DNS:localhost
-"""
-
-
-def _make_certificates(folder: Path) -> None:
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
-
-    ca_extensions = [arg for ext in _CA_EXTENSIONS for arg in ("-addext", ext)]
-    openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=celery-redlock test CA",
-        *ca_extensions,
-    )
-    openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        "server.key",
-        "-out",
-        "server.csr",
-        "-subj",
-        "/CN=127.0.0.1",
-    )
-    (folder / "ext").write_text(_SERVER_EXTENSIONS)
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-out",
-        "server.crt",
-        "-days",
-        "2",
-        "-extfile",
-        "ext",
-    )
-
-
-@pytest.mark.skipif(
-    not (shutil.which("redis-server") and shutil.which("openssl")),
-    reason="needs this machine's redis-server (built with TLS) and openssl; "
-    "the embedded valkey-server has no TLS",
-)
+@pytest.mark.skipif(not tls.available(), reason=tls.MISSING)
 def test_tls_master(tmp_path: Path) -> None:
-    _make_certificates(tmp_path)
-    tls_port = free_port()
-    server = RedisServer(
-        binary=shutil.which("redis-server"),
-        extra_args=[
-            "--tls-port",
-            str(tls_port),
-            "--tls-cert-file",
-            str(tmp_path / "server.crt"),
-            "--tls-key-file",
-            str(tmp_path / "server.key"),
-            "--tls-ca-cert-file",
-            str(tmp_path / "ca.crt"),
-            "--tls-auth-clients",
-            "no",
-        ],
-    )
-    with server:
+    with tls.tls_servers(tmp_path, 1) as [(server, tls_port)]:
         trusted = f"rediss://127.0.0.1:{tls_port}/0?ssl_ca_certs={tmp_path / 'ca.crt'}"
         with Redlock([trusted]) as rl:
             lock = rl.lock("tls", ttl=5)

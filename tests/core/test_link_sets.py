@@ -24,6 +24,7 @@ import pytest
 
 from celery_redlock import Redlock
 from celery_redlock.testing import ServerSet
+from tests import tls
 
 from .conftest import keys_on, take, wait_for
 
@@ -403,42 +404,10 @@ def test_a_release_is_not_written_to_parked_links_the_masters_closed(
 # -- 5. TLS links ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tls_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[tuple[object, str]]]:
-    """Three redis-server masters with a TLS port each (Debian's redis-server is built with TLS)."""
-    import shutil
-
-    from celery_redlock.testing import RedisServer
-    from celery_redlock.testing.servers import free_port
-
-    binary = shutil.which("redis-server")
-    if binary is None or shutil.which("openssl") is None:
-        pytest.skip("needs redis-server and openssl")
-    where = tmp_path_factory.mktemp("tls")
-    key, cert = where / "key.pem", where / "cert.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True,
-        capture_output=True,
-        timeout=30,
-    )  # fmt: skip
-    servers = []
-    try:
-        for _ in range(3):
-            port = free_port("127.0.0.1")
-            server = RedisServer(
-                binary=binary,
-                extra_args=["--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-                            "--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"],
-            )  # fmt: skip
-            try:
-                server.start()
-            except Exception as exc:
-                pytest.skip(f"redis-server without TLS: {exc}")
-            servers.append((server, f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none"))
-        yield servers
-    finally:
-        for server, _ in servers:
-            server.cleanup()
+    """Three redis-server masters with a TLS port each (tests/tls.py), their certificate not
+    verified."""
+    with tls.tls_servers(tmp_path_factory.mktemp("tls"), 3) as servers:
+        yield [(server, f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none") for server, port in servers]
 
 
 @pytest.mark.timeout(60)

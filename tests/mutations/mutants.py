@@ -197,7 +197,7 @@ MUTANTS: tuple[Mutant, ...] = (
                 "        [command] * len(redlock.tally.names), redlock.request_timeout, keep=True, "
                 "enough=redlock.quorum\n"
                 "    )\n"
-                '    if sum(1 for o in outcomes if o.kind == "ok") >= redlock.quorum:',
+                "    if quorum_answered(outcomes, redlock.quorum):",
                 "    yield Send([command] * len(redlock.tally.names), redlock.request_timeout)\n    if True:",
             ),
         ),

@@ -31,9 +31,10 @@ from ..transport.commands import LATE, NOT_AWAITED, NOT_SENT, Command, Outcome, 
 from ..transport.identity import identify
 from ..transport.master import Master
 from .deadlines import Deadlines
-from .handshake import check_options, open_link
+from .handshake import open_link
 from .link import Entry, Link, Sink
 from .site import Site
+from .tls import tls_contexts
 
 T = TypeVar("T")
 
@@ -100,6 +101,8 @@ class AsyncExchange:
         if gather.missing and not (enough and gather.good >= enough):
             self._transport.deadlines.watch(deadline, gather)
             await gather.future
+            if not gather.missing:  # every slot answered: no None left to replace
+                return results  # type: ignore[return-value]
         else:
             gather.expire()  # nothing to wait for: whatever comes later is late
         late = NOT_AWAITED if enough else LATE
@@ -233,12 +236,13 @@ class AsyncTransport:
     """The masters over asyncio: exchanges, and a close that ends every task of ours."""
 
     def __init__(self, masters: Sequence[Master], request_timeout: float) -> None:
-        for master in masters:
-            check_options(master)
+        contexts = tls_contexts(masters)  # ConfigError now, for options no link could honour
         self.masters = list(masters)
         self.tasks: set[asyncio.Task[Any]] = set()
         self.deadlines = Deadlines()  # every call's deadline, on one timer
-        self.sites = [Site(i, m, request_timeout, self._open, self.tasks) for i, m in enumerate(masters)]
+        self.sites = [
+            Site(i, m, request_timeout, self._open, self.tasks, contexts[i]) for i, m in enumerate(masters)
+        ]
 
     def round(self) -> AsyncExchange:
         return AsyncExchange(self)

@@ -4,7 +4,8 @@ The handshake is the blocking transports' (:mod:`..transport.handshake`): AUTH, 
 and SELECT as the master's options ask, ``INFO server`` and ``INFO replication`` (its run id,
 and whether it is a Redis master of its own), then a ``SCRIPT LOAD`` of every script, all in one
 write; the replies are judged by the same rule (``Master.accept_handshake``). Only the socket is
-asyncio's.
+asyncio's, and for a ``rediss://`` master its TLS (the site's context, :mod:`.tls`): the TCP
+connect and the TLS handshake are one step, bounded by the connect's deadline like the rest.
 """
 
 from __future__ import annotations
@@ -15,11 +16,9 @@ from typing import Any
 
 import redis
 
-from ...errors import ConfigError
 from .. import wire
 from ..transport.commands import Outcome, script_loads
 from ..transport.handshake import Silent, handshake_commands
-from ..transport.master import Master
 from .link import Entry, Link, Sink
 from .site import Site
 
@@ -42,12 +41,6 @@ class _Replies(Sink):
         return not self.done.done()
 
 
-def check_options(master: Master) -> None:
-    """Refuse, when the AsyncRedlock is built, a master this transport cannot reach yet."""
-    if issubclass(master._connection_class, redis.SSLConnection):
-        raise ConfigError(f"masters: {master.name}: TLS (rediss://) is not supported by AsyncRedlock yet")
-
-
 async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> Link:
     """A new link to ``site``'s master by ``deadline`` (see the module docstring); raises
     ``ConnectionError`` (or ``TimeoutError``, ``OSError``) and leaves nothing open.
@@ -62,12 +55,21 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("no time left to connect within request_timeout")
+    tls = site.tls
     if issubclass(master._connection_class, redis.UnixDomainSocketConnection):
         opening = loop.create_unix_connection(lambda: link, str(options["path"]))
     else:
         host, port = options.get("host", "localhost"), options.get("port", 6379)
-        opening = loop.create_connection(lambda: link, host, port)
-    await asyncio.wait_for(opening, remaining)
+        if tls is None:
+            opening = loop.create_connection(lambda: link, host, port)
+        else:
+            # The host name is sent (SNI) and checked against the certificate, as redis-py does.
+            opening = loop.create_connection(lambda: link, host, port, ssl=tls, server_hostname=host)
+    try:
+        await asyncio.wait_for(opening, remaining)
+    except asyncio.TimeoutError:
+        what = "TCP connect and TLS handshake" if tls is not None else "TCP connect"
+        raise TimeoutError(f"no {what} within request_timeout ({site.request_timeout:g} s)") from None
     try:
         commands = handshake_commands(conn)
         loads = script_loads() if load_scripts else []

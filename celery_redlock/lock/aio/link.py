@@ -19,7 +19,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from .. import wire
 from ..transport.commands import COMMON_OK, NOSCRIPT, REPLY_ERROR, Command, Outcome, eval_form
@@ -82,8 +82,9 @@ class Link(asyncio.Protocol):
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, read and written: asyncio's own, or one that only has its methods
+        # (uvloop's TCPTransport and UnixTransport subclass no asyncio class), hence no check.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         reader = self.reader
@@ -96,7 +97,14 @@ class Link(asyncio.Protocol):
                     break
                 if not queue:
                     raise wire.ProtocolError(f"a reply nobody asked for: {reply!r}")
-                self._answer(queue.popleft(), reply)
+                entry = queue.popleft()
+                # The usual reply (OK, 1, 0, nil) to someone waiting, without _answer's checks:
+                # outcome_of's first rule, which no NOSCRIPT or error reply meets.
+                common = COMMON_OK.get(reply) if type(reply) is not list else None
+                if common is not None and entry.sink is not None:
+                    entry.sink.put(entry.slot, common)
+                else:
+                    self._answer(entry, reply)
         except wire.ProtocolError as exc:
             logger.warning("master %s sent what is not a reply: %s", self.master.name, exc)
             self.close()

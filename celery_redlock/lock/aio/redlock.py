@@ -38,9 +38,10 @@ class AsyncRedlock(Settings):
     ``request_timeout``, ``key_prefix``, ``wait``, ``wait_poll``, ``fence_retention``), with the
     same meaning and checks (``wait="release"``: an acquire with a timeout is woken by the
     holder's release, over one listening connection per master made at the first wait).
-    ``masters`` are ``redis://`` or ``unix://`` URLs (or ``redis.Redis`` clients, whose options
-    are read). Connections are made on first use, in the running loop: an AsyncRedlock serves
-    one event loop. ``await aclose()`` (or ``async with``) closes every connection and ends
+    ``masters`` are ``redis://``, ``rediss://`` (TLS, from redis-py's ``ssl_*`` options: see
+    :mod:`.tls`) or ``unix://`` URLs (or ``redis.Redis`` clients, whose options are read).
+    Connections are made on first use, in the running loop: an AsyncRedlock serves one event
+    loop. ``await aclose()`` (or ``async with``) closes every connection and ends
     every task it started (connects, keep-alives, listening links, deliveries of releases).
     """
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,9 +47,11 @@ class Site:
         request_timeout: float,
         opener: Callable[[Site, float], Awaitable[Link]],
         tasks: set[asyncio.Task[Any]],
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.index = index
         self.master = master
+        self.tls = tls  # the context its links are wrapped in (rediss://), or None (see .tls)
         self.request_timeout = request_timeout
         self._opener = opener
         self._tasks = tasks  # the transport's: every task of ours, cancelled by aclose()

@@ -49,6 +49,8 @@ def common_outcome(value: Any) -> Outcome:
 # refused because the key is there.
 GRANTED = COMMON_OK[b"OK"]
 HELD = COMMON_OK[None]
+# The outcome of a release that deleted its key (the scripts' DEL: 1), shared likewise.
+DELETED = COMMON_OK[1]
 
 
 def pack_command(command: Command) -> bytes:
