@@ -65,9 +65,15 @@ class Deadlines:
             self._arm(heap[0][0])  # a loop timer may fire a little early: armed again, not lost
 
     def close(self) -> None:
-        """Stop the timer (the transport is closing): nothing waits on its calls any more."""
+        """Stop the timer (the transport is closing) and expire every call that still waits now.
+
+        Expired, not dropped: a call out to a master that will not answer (paused, blackholed)
+        is ended by nothing but its deadline, so a dropped one would wait for ever and hang the
+        task that made it (an acquire in flight when ``aclose()`` runs)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._armed_for = math.inf
-        self._heap.clear()
+        heap, self._heap = self._heap, []
+        for _, _, call in heap:
+            call.expire()

@@ -204,6 +204,8 @@ class AsyncExchange:
                 entry.sink.put(entry.slot, failure)
 
     def _check_refusal(self) -> None:
+        if asyncio.get_running_loop() is not self._transport.loop:
+            self._transport.bind_loop()
         for site in self._sites:
             if site.master.refusal:
                 raise ConfigError(site.master.refusal)  # two masters found to be one server
@@ -243,6 +245,19 @@ class AsyncTransport:
         self.sites = [
             Site(i, m, request_timeout, self._open, self.tasks, contexts[i]) for i, m in enumerate(masters)
         ]
+        # The event loop of the first call: the links, their readers and the deadline timer are
+        # its. From another loop nothing would read their replies nor expire the calls (a hang).
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def bind_loop(self) -> None:
+        """Bind to the running loop at the first call; from any other loop, a ConfigError."""
+        loop = asyncio.get_running_loop()
+        if self.loop is not None and loop is not self.loop:
+            raise ConfigError(
+                "this AsyncRedlock serves the event loop it first ran in, not this one: open one "
+                "AsyncRedlock per event loop (asyncio.run() makes a new loop each time)"
+            )
+        self.loop = loop
 
     def round(self) -> AsyncExchange:
         return AsyncExchange(self)

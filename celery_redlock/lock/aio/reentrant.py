@@ -10,10 +10,12 @@ The registry is per AsyncRedlock (one event loop's), keyed by (key, owner).
 
 from __future__ import annotations
 
+import asyncio
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ...errors import LockLost, LockNotAcquired
+from ..clock import now
 from ..commands import EXIT, REENTRANT, Commands
 from ..owner import current_owner
 from ..reentrant import enter
@@ -84,7 +86,17 @@ class AsyncReentrantLock:
             token = inner._extendable()
             if token is None:
                 raise LockLost(self.name, inner.lost_reason or "validity ran out before the re-entry")
-            validity, votes, started = await self.redlock.run(enter(self.redlock, self.key, token, inner.ttl))
+            before = now()
+            try:
+                validity, votes, started = await self.redlock.run(
+                    enter(self.redlock, self.key, token, inner.ttl)
+                )
+            except asyncio.CancelledError:
+                # Any master may have applied it (R_ENTER sets the TTL to inner.ttl, shorter
+                # than an earlier extend() may have left): settled as a failed extension, as a
+                # cancelled extend() is, so owned() never outlasts the masters' keys.
+                inner._settle_extension(token, before, inner.ttl, 0.0, list(self.redlock.tally.granted))
+                raise
             raise_on_kind(self.name, votes)
             inner._settle_extension(token, started, inner.ttl, validity, votes)
         if inner.lost_reason or not inner.owned():
