@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 from collections.abc import AsyncIterator
@@ -49,8 +50,12 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 
 async def build(request: Request) -> JSONResponse:
     name = request.path_params["name"]
-    wait = float(request.query_params.get("wait", "10"))
-    hold = float(request.query_params.get("hold", BUILD_SECONDS))
+    try:
+        wait = _seconds(request, "wait", 10.0, most=60.0)
+        # A build must end well inside the lock's TTL (10 s): this example does not extend it.
+        hold = _seconds(request, "hold", BUILD_SECONDS, most=5.0)
+    except ValueError as bad:
+        return JSONResponse({"error": str(bad)}, status_code=400)
     redlock: AsyncRedlock = request.app.state.redlock
     holder = f"build of {name} on {socket.gethostname()} pid {os.getpid()}"
     lock = redlock.lock(
@@ -70,6 +75,20 @@ async def build(request: Request) -> JSONResponse:
             {"error": str(refused).splitlines()[0], "holder": refused.holder}, status_code=409
         )
     return JSONResponse({"report": name, "builds": count + 1})
+
+
+def _seconds(request: Request, name: str, default: float, most: float) -> float:
+    """Query parameter ``name`` as seconds from 0 to ``most``; a ValueError that names it."""
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= most:  # NaN fails both comparisons
+        raise ValueError(f"{name} must be a number of seconds from 0 to {most:g}, got {text!r}")
+    return value
 
 
 async def show(request: Request) -> JSONResponse:

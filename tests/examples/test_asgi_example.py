@@ -105,3 +105,20 @@ def test_a_build_that_will_not_wait_is_refused_naming_the_holder(server: str) ->
     assert status == 409 and long_status == 200
     assert "not acquired" in body["error"]
     assert "build of yearly on" in body["holder"] and " pid " in body["holder"]
+
+
+def test_a_wait_or_hold_that_is_not_a_sane_number_of_seconds_is_refused_naming_it(server: str) -> None:
+    """The example checks its query parameters: an endless wait, a build longer than the lock's
+    TTL, or text would otherwise hang a request, lose the lock mid-build or answer 500."""
+
+    async def main() -> list[tuple[int, str]]:
+        async with httpx.AsyncClient(base_url=server, timeout=30) as client:
+            answers = []
+            for params in ({"wait": "inf"}, {"wait": "nan"}, {"wait": "soon"}, {"hold": 60}, {"wait": -1}):
+                reply = await client.post("/reports/checked", params=params)
+                answers.append((reply.status_code, reply.json()["error"]))
+            return answers
+
+    answers = asyncio.run(main())
+    assert [status for status, _ in answers] == [400] * 5, answers
+    assert [error.split()[0] for _, error in answers] == ["wait", "wait", "wait", "hold", "wait"]
