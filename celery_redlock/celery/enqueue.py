@@ -78,7 +78,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 from celery.utils import uuid
 
@@ -94,9 +94,11 @@ from . import hooks, signals
 from .held import Held
 from .hooks import PUBLISH_ID_HEADER
 from .queued import MARKER_HEADER as MARKER_HEADER
+from .queued import Existing, existing_of, masters_fingerprint
 from .queued import drop_abandoned_marker as drop_abandoned_marker
+from .queued import is_queued as is_queued
 from .queued import marker_ttl as marker_ttl
-from .queued import masters_fingerprint
+from .queued import queued_task_id as queued_task_id
 from .queued import release_revoked_marker as release_revoked_marker
 from .queued import run_lock as run_lock
 from .runstate import run_of
@@ -120,32 +122,6 @@ PUBLISH_WINDOW = 5.0
 # publisher's, placed as the last one's went) before it is refused (see _place_settled).
 PENDING_WINDOWS = 3
 _HOST = socket.gethostname()
-
-
-class Existing(NamedTuple):
-    """A publish's key taken by its own task: the id the marker or run names (None when its
-    record names none), whether it is a queued message's marker, and its value. ``pending``: a
-    marker whose publish has not returned yet (its publisher may still fail, or die): no message
-    is known to carry the id it names."""
-
-    task_id: str | None
-    queued: bool
-    value: str
-    pending: bool = False
-
-
-def _existing(value: str) -> Existing:
-    """What a value of this task's (its marker or its run's lock) found on its key says."""
-    record = parse(value.partition(HOLDER_SEPARATOR)[2])
-    if record is None:
-        return Existing(None, True, value)
-    # A marker is placed for PUBLISH_WINDOW and swapped for its published form (markers.keep)
-    # once the broker has its message. Pending is what the marker says (published: false), not
-    # a guess from its age: a publisher's slow placement or another host's clock would make a
-    # marker whose publish never returned look published, and hand out a task id no message
-    # carries. A marker that says nothing was written by a version without the flag.
-    pending = record.queued and record.published is False
-    return Existing(record.task, record.queued, value, pending)
 
 
 def check_task_options(cls: Any, task_name: str) -> None:
@@ -385,14 +361,14 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
         if placed.value is None and placed.beside is None and placed.holder is not None:
             record = parse(placed.holder.partition(HOLDER_SEPARATOR)[2])
             if record is not None and record.name == task.name:
-                return _existing(placed.holder)
+                return existing_of(placed.holder)
             # Another task's, or any other holder's: this task's marker waits beside the key
             # while that value is still there (else the next attempt starts over).
             placed = markers.place_beside(redlock, name, side, value, ttl, placed.holder)
         if placed.value is not None:
             return placed
         if placed.beside is not None:
-            return _existing(placed.beside)
+            return existing_of(placed.beside)
         if attempt < PLACE_ATTEMPTS:
             # Split between two publishers (each retracted its part), freed or taken meanwhile,
             # or a master that did not answer: a short, growing random delay, then one more try.
@@ -560,40 +536,3 @@ def _holder(task: Any, task_id: str, ttl: float, publish: str) -> str:
         record = HolderRecord(name=task.name, host=_HOST, pid=me, ttl=ttl, queued=True)
         setattr(cls, "_redlock_marker_record", record)  # noqa: B010 - on the class, not the instance
     return record.to_text(task=task_id, since=time.time(), publish=publish)
-
-
-def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Existing | None:
-    """The queued message or the run of this task that holds its key for these arguments: one
-    round, both keys read (the lock key, and the task's side key)."""
-    _, redlock = app_settings_and_redlock(task.app)
-    name = task.lock_name(args, kwargs)
-    keys = [lock_key(redlock.key_prefix, name), side_key(redlock.key_prefix, name, task.name)]
-    with redlock._round() as rnd:
-        replies = rnd.call_many(
-            [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
-        )
-    for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
-        counts: dict[bytes, int] = {}
-        for mine in replies:
-            if mine[j].kind == "ok" and isinstance(mine[j].value, bytes):
-                counts[mine[j].value] = counts.get(mine[j].value, 0) + 1
-        for found, count in counts.items():
-            text = found.decode("utf-8", "replace")
-            record = parse(text.partition(HOLDER_SEPARATOR)[2])
-            if count >= redlock.quorum and record is not None and record.name == task.name:
-                return _existing(text)
-    return None
-
-
-def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
-    """The id of this task's message queued, or its run running, for these arguments' resource;
-    None when neither (another task's or holder's lock is no answer). One round; nothing
-    published."""
-    found = _own_holder(task, args, kwargs)
-    return None if found is None else found.task_id
-
-
-def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a publish of this task with these arguments would be deduplicated: a message of
-    it queued, or a run of it running, for their resource. One round; nothing published."""
-    return _own_holder(task, args, kwargs) is not None

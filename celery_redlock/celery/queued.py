@@ -1,6 +1,7 @@
 """The markers queued messages carry: how long a marker lasts (:func:`marker_ttl`), what a
 message's ``redlock_marker`` header says, the lock its run takes (:func:`run_lock`), and what
-deletes a marker that no run will take over (see :mod:`.enqueue` for the whole story).
+deletes a marker that no run will take over (see :mod:`.enqueue` for the whole story), and
+what holds a task's key (:class:`Existing`, :func:`queued_task_id`, :func:`is_queued`).
 
 - :func:`release_revoked_marker` (``task_revoked``): a queued message revoked or expired;
 - :func:`drop_abandoned_marker` (``lock_contended``): a run that gives up its lock (skipped,
@@ -15,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..lock import markers
 from ..lock.holder import parse
@@ -200,3 +201,74 @@ def _drop_when_handed_back(redlock: Redlock, name: str, value: str, task_id: str
         elif not _run_holds(redlock, name, task_id):
             return
         time.sleep(0.25)
+
+
+class Existing(NamedTuple):
+    """A publish's key taken by its own task: the id the marker or run names (None when its
+    record names none), whether it is a queued message's marker, and its value. ``pending``: a
+    marker whose publish has not returned yet (its publisher may still fail, or die): no message
+    is known to carry the id it names."""
+
+    task_id: str | None
+    queued: bool
+    value: str
+    pending: bool = False
+
+
+def existing_of(value: str) -> Existing:
+    """What a value of this task's (its marker or its run's lock) found on its key says."""
+    record = parse(value.partition(HOLDER_SEPARATOR)[2])
+    if record is None:
+        return Existing(None, True, value)
+    # A marker is placed for PUBLISH_WINDOW and swapped for its published form (markers.keep)
+    # once the broker has its message. Pending is what the marker says (published: false), not
+    # a guess from its age: a publisher's slow placement or another host's clock would make a
+    # marker whose publish never returned look published, and hand out a task id no message
+    # carries. A marker that says nothing was written by a version without the flag.
+    pending = record.queued and record.published is False
+    return Existing(record.task, record.queued, value, pending)
+
+
+def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Existing | None:
+    """The queued message or the run of this task that holds its key for these arguments: one
+    round, both keys read (the lock key, and the task's side key).
+
+    INVARIANT (only a published message answers, as in _place_settled): a marker whose publish
+    has not returned is no queued message (its publisher may still fail, or die before the
+    broker has it), and is not reported as one: no caller is handed an id no message may carry."""
+    _, redlock = app_settings_and_redlock(task.app)
+    name = task.lock_name(args, kwargs)
+    keys = [lock_key(redlock.key_prefix, name), side_key(redlock.key_prefix, name, task.name)]
+    with redlock._round() as rnd:
+        replies = rnd.call_many(
+            [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
+        )
+    for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
+        counts: dict[bytes, int] = {}
+        for mine in replies:
+            if mine[j].kind == "ok" and isinstance(mine[j].value, bytes):
+                counts[mine[j].value] = counts.get(mine[j].value, 0) + 1
+        for value, count in counts.items():
+            text = value.decode("utf-8", "replace")
+            record = parse(text.partition(HOLDER_SEPARATOR)[2])
+            if count >= redlock.quorum and record is not None and record.name == task.name:
+                holder = existing_of(text)
+                if not holder.pending:
+                    return holder
+    return None
+
+
+def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+    """The id of this task's message queued, or its run running, for these arguments' resource;
+    None when neither (another task's or holder's lock is no answer, nor is a marker whose
+    publish has not returned). One round; nothing published."""
+    found = _own_holder(task, args, kwargs)
+    return None if found is None else found.task_id
+
+
+def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a publish of this task with these arguments would be deduplicated: a message of
+    it queued, or a run of it running, for their resource. A marker whose publish has not
+    returned is not yet a queued message: False (a publish would wait for it to be published or
+    gone, see _place_settled). One round; nothing published."""
+    return _own_holder(task, args, kwargs) is not None

@@ -24,7 +24,9 @@ import pytest
 from celery import states
 from conftest import ROOT, wait_for
 
-from celery_redlock.celery.settings import close_app_redlock
+from celery_redlock.celery.settings import app_redlock, close_app_redlock
+from celery_redlock.lock.holder import parse
+from celery_redlock.lock.resource import HOLDER_SEPARATOR, lock_key
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 from celery_redlock.testing.proxy import Proxy, ProxySet
 
@@ -142,14 +144,24 @@ def test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_st
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
+        redlock = app_redlock(lost.app)
+        key = lock_key(redlock.key_prefix, f"lost:{tag}")
         try:
-            marked = wait_for(lambda: lost.deduped.queued_task_id(tag) is not None, 20.0)
-            ghost = lost.deduped.queued_task_id(tag)
+            # The marker, as placed (its publish has not returned): on a quorum of the masters.
+            marked = wait_for(lambda: sum(v is not None for v in redlock.read_everywhere(key)) >= 2, 20.0)
+            values = [v for v in redlock.read_everywhere(key) if v is not None]
+            # INVARIANT: only a published message is reported queued: no caller of these is
+            # handed the id of a publish that may never reach the broker.
+            reported = lost.deduped.queued_task_id(tag), lost.deduped.is_queued(tag)
         finally:
             os.kill(publisher.pid, signal.SIGKILL)
             out = publisher.communicate(timeout=10)[0].decode(errors="replace")
         assert marked, f"the publisher never placed its marker: {out[-2000:]}"
         assert "published" not in out.split("publishing", 1)[-1], out
+        record = parse(values[0].decode().partition(HOLDER_SEPARATOR)[2])
+        assert record is not None and record.queued and record.published is False, values
+        ghost = record.task
+        assert reported == (None, False), f"an unpublished marker was reported queued: {reported}"
         second = lost.deduped.apply_async((tag,), queue=threads_queue)
         try:
             second.get(timeout=15)

@@ -563,11 +563,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             Edit(
-                ENQUEUE,
+                QUEUED,
                 "    pending = record.queued and record.published is False",
                 "    pending = False",
             ),
         ),
+    ),
+    Mutant(
+        "queued_reports_unpublished",
+        "queued_task_id hands out the id of a publish that has not returned (no message may carry it)",
+        (
+            f"{ENQUEUE_LOST}::test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_"
+            "still_runs",
+        ),
+        (Edit(QUEUED, "                if not holder.pending:\n", "                if True:\n"),),
     ),
     Mutant(
         "enqueue_plain_lock_on_other_master_names",
@@ -751,7 +760,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{R24_EXPIRES}::test_a_marker_written_without_the_published_flag_answers_a_duplicate_at_once",),
         (
             Edit(
-                ENQUEUE,
+                QUEUED,
                 "    pending = record.queued and record.published is False",
                 "    pending = record.queued and record.published is not True",
             ),
