@@ -13,11 +13,12 @@ redlock-ng's ``AsyncRedlock``. Every implementation runs in alternating blocks i
 so all see the same machine load.
 
 Contended: ``--processes`` processes, each an event loop of ``--tasks`` tasks looping on one
-resource (a hold is one successful acquisition and its release; a failed try is retried at
-once). Every kind runs in every process, in alternating time slices of ``--slice`` seconds by
-the shared monotonic clock, each on its own key. An AsyncRedlock (and a redis.asyncio client,
-and a redlock-ng ``AsyncRedlock``, whose acquire returns the held lock) is shared by the tasks of
-its process, as an application shares one; the floor and pottery get one client per task (a raw
+resource (a hold is one successful acquisition and its release; a failed try is retried at once,
+or with ``--retry-delay d`` after a random delay in ``[0, d)``, the same for every kind). Every
+kind runs in every process, in alternating time slices of ``--slice`` seconds by the shared
+monotonic clock, each on its own key. An AsyncRedlock (and a redis.asyncio client, and a
+redlock-ng ``AsyncRedlock``, whose acquire returns the held lock) is shared by the tasks of its
+process, as an application shares one; the floor and pottery get one client per task (a raw
 stream serves one caller at a time; a pottery lock keeps its token).
 """
 
@@ -29,6 +30,7 @@ import importlib.metadata
 import importlib.util
 import multiprocessing
 import os
+import random
 import secrets
 import signal
 import sys
@@ -210,7 +212,14 @@ async def uncontended(urls: Sequence[str], iterations: int, warmup: int, block: 
 
 # -- contended ------------------------------------------------------------------------------------
 async def contend(
-    urls: list[str], key: str, start_at: Any, ready: Any, tasks: int, slices: int, slice_length: float
+    urls: list[str],
+    key: str,
+    start_at: Any,
+    ready: Any,
+    tasks: int,
+    slices: int,
+    slice_length: float,
+    retry_delay: float,
 ) -> tuple[dict[str, int], dict[str, int]]:
     clients = Clients(urls)
     try:
@@ -240,6 +249,8 @@ async def contend(
                 attempts[kind] += 1
                 if await steps[kind]():
                     holds[kind] += 1
+                elif retry_delay > 0:  # the same random delay for every kind (as bench_lock's)
+                    await asyncio.sleep(random.uniform(0, retry_delay))
 
         await asyncio.gather(*(worker(steps) for steps in per_task))
         return holds, attempts
@@ -248,14 +259,27 @@ async def contend(
 
 
 def contender(
-    urls: list[str], key: str, start_at: Any, ready: Any, results: Any, tasks: int, slices: int, length: float
+    urls: list[str],
+    key: str,
+    start_at: Any,
+    ready: Any,
+    results: Any,
+    tasks: int,
+    slices: int,
+    length: float,
+    retry_delay: float,
 ) -> None:
-    holds, attempts = asyncio.run(contend(urls, key, start_at, ready, tasks, slices, length))
+    holds, attempts = asyncio.run(contend(urls, key, start_at, ready, tasks, slices, length, retry_delay))
     results.put((os.getpid(), holds, attempts))
 
 
 def contended(
-    urls: list[str], processes: int, tasks: int, duration: float, slice_length: float
+    urls: list[str],
+    processes: int,
+    tasks: int,
+    duration: float,
+    slice_length: float,
+    retry_delay: float = 0.0,
 ) -> dict[str, Contended]:
     ctx = multiprocessing.get_context("spawn")
     start_at = StartSignal(ctx)
@@ -268,7 +292,7 @@ def contended(
     procs = [
         ctx.Process(
             target=contender,
-            args=(urls, key, start_at, ready, results, tasks, slices, slice_length),
+            args=(urls, key, start_at, ready, results, tasks, slices, slice_length, retry_delay),
             daemon=True,
         )
         for _ in range(processes)
@@ -308,12 +332,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--tasks", type=int, default=4, help="contending tasks per process")
     parser.add_argument("--slice", type=float, default=0.5)
+    parser.add_argument(
+        "--retry-delay",
+        type=float,
+        default=0.0,
+        help="contended: a failed try is retried at once (0), or after a random delay in [0, d) s, "
+        "the same for every kind",
+    )
     parser.add_argument("--skip-contended", action="store_true")
     parser.add_argument("--skip-uncontended", action="store_true")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.masters.split(",") if n.strip()]
     if not counts or min(counts) < 1 or min(args.iterations, args.block, args.processes, args.tasks) < 1:
         parser.error("--masters, --iterations, --block, --processes and --tasks must be positive")
+    if args.retry_delay < 0:
+        parser.error("--retry-delay must be >= 0")
     print(
         f"python {sys.version.split()[0]}, redis-py {redis.__version__}, pottery "
         f"{'yes' if HAVE_POTTERY else 'not installed'}, redlock-ng "
@@ -341,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             if not args.skip_contended:
                 flush(servers)
-                runs = contended(urls, args.processes, args.tasks, args.duration, args.slice)
+                runs = contended(
+                    urls, args.processes, args.tasks, args.duration, args.slice, args.retry_delay
+                )
                 floor_run = runs["asyncio floor"]
                 for run in runs.values():
                     ratio = run.per_second / floor_run.per_second if floor_run.holds else float("nan")
@@ -368,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if con_rows:
         print(
             f"\nContended: {args.processes} processes x {args.tasks} tasks, one resource, "
-            f"{args.duration:g} s each, slices of about {args.slice:g} s, retry at once"
+            f"{args.duration:g} s each, slices of about {args.slice:g} s, retry "
+            + ("at once" if args.retry_delay == 0 else f"after U[0, {args.retry_delay:g}) s")
         )
         print(table(["N", "impl", "holds/s", "tries/s", "holds/try", "holds / floor"], con_rows))
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
