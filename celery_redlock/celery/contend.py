@@ -365,4 +365,11 @@ def retry(task: Task, run: RunState, attempt: int, countdown: float, error: Lock
 def unavailable(error: LockNotAcquired) -> str:
     """Why a run did not get its lock when masters, not a holder, denied the quorum."""
     failing = "; ".join(error.unavailable_masters) or "masters refused or failed"
-    return f"unavailable: no quorum of masters answered ({failing})"
+    granted = sum(1 for v in error.votes if v.kind == "yes")
+    held = sum(1 for v in error.votes if v.kind == "held")
+    # What the others said too: four of five answering and split 2-2 is no outage, but the
+    # fifth master decides, which is why the run retries rather than being refused.
+    return (
+        f"unavailable: no quorum could be decided without the masters that did not answer "
+        f"({failing}); {granted} granted, {held} held by another run, quorum {error.quorum}"
+    )

@@ -40,7 +40,12 @@ def test_masters_that_do_not_answer_delay_work_but_never_drop_it(
 
         # Skip mode: no holder was shown, so the run is not skipped; it retries, at WARNING.
         skipping = lockapp.hold_or_skip.apply_async((tag, 0.0, tag), queue=queue)
-        worker.wait_for_log(rf"{skipping.id}\]: lock res:{tag} unavailable: no quorum", timeout=20)
+        line = worker.wait_for_log(
+            rf"{skipping.id}\]: lock res:{tag} unavailable: no quorum[^\n]*", timeout=20
+        ).group(0)
+        # What every master said: none answered, so none granted and none named a holder.
+        assert all(str(port) in line for port in ports), line
+        assert "0 granted, 0 held by another run, quorum 2" in line, line
         assert not skipping.ready(), f"ended {skipping.state}: {skipping.result!r}"
 
         # A bounded retry budget ends in an error naming the masters, not a skip or a hang.
