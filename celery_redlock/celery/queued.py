@@ -229,13 +229,12 @@ def existing_of(value: str) -> Existing:
     return Existing(record.task, record.queued, value, pending)
 
 
-def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Existing | None:
+def _own_holder(
+    task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, pending: bool
+) -> Existing | None:
     """The queued message or the run of this task that holds its key for these arguments: one
-    round, both keys read (the lock key, and the task's side key).
-
-    INVARIANT (only a published message answers, as in _place_settled): a marker whose publish
-    has not returned is no queued message (its publisher may still fail, or die before the
-    broker has it), and is not reported as one: no caller is handed an id no message may carry."""
+    round, both keys read (the lock key, and the task's side key). ``pending``: a marker whose
+    publish has not returned counts too (else it is passed over)."""
     _, redlock = app_settings_and_redlock(task.app)
     name = task.lock_name(args, kwargs)
     keys = [lock_key(redlock.key_prefix, name), side_key(redlock.key_prefix, name, task.name)]
@@ -253,22 +252,25 @@ def _own_holder(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> 
             record = parse(text.partition(HOLDER_SEPARATOR)[2])
             if count >= redlock.quorum and record is not None and record.name == task.name:
                 holder = existing_of(text)
-                if not holder.pending:
+                if pending or not holder.pending:
                     return holder
     return None
 
 
 def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     """The id of this task's message queued, or its run running, for these arguments' resource;
-    None when neither (another task's or holder's lock is no answer, nor is a marker whose
-    publish has not returned). One round; nothing published."""
-    found = _own_holder(task, args, kwargs)
+    None when neither (another task's or holder's lock is no answer). One round; nothing
+    published.
+
+    INVARIANT (only a published message answers, as in _place_settled): while a publish has not
+    returned, its id is handed to nobody (None): that publish may still fail, or its publisher
+    die before the broker has the message, and no message would then carry the id."""
+    found = _own_holder(task, args, kwargs, pending=False)
     return None if found is None else found.task_id
 
 
 def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
-    """Whether a publish of this task with these arguments would be deduplicated: a message of
-    it queued, or a run of it running, for their resource. A marker whose publish has not
-    returned is not yet a queued message: False (a publish would wait for it to be published or
-    gone, see _place_settled). One round; nothing published."""
-    return _own_holder(task, args, kwargs) is not None
+    """Whether a message of this task is queued, or being published, or its run running, for
+    these arguments' resource: a publish now would not put another in the queue (it waits for
+    a publish under way to return, see _place_settled). One round; nothing published."""
+    return _own_holder(task, args, kwargs, pending=True) is not None

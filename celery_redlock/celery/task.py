@@ -206,12 +206,13 @@ class RedlockTaskMixin:
         return enqueue.apply_async(self, super().apply_async, args, kwargs, task_id, options)  # type: ignore[misc]
 
     def is_queued(self, *args: Any, **kwargs: Any) -> bool:
-        """Whether a task is queued or running for the resource these arguments name (one
-        round to the masters; nothing is published)."""
+        """Whether a task is queued (or being published) or running for the resource these
+        arguments name (one round to the masters; nothing is published)."""
         return enqueue.is_queued(self, args, kwargs)
 
     def queued_task_id(self, *args: Any, **kwargs: Any) -> str | None:
-        """The id of the task queued or running for the resource these arguments name, or None."""
+        """The id of the task queued or running for the resource these arguments name, or None
+        (also while its publish has not returned: no message may ever carry that id)."""
         return enqueue.queued_task_id(self, args, kwargs)
 
     # -- the current execution's lock -------------------------------------------------------------

@@ -576,7 +576,7 @@ MUTANTS: tuple[Mutant, ...] = (
             f"{ENQUEUE_LOST}::test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_"
             "still_runs",
         ),
-        (Edit(QUEUED, "                if not holder.pending:\n", "                if True:\n"),),
+        (Edit(QUEUED, "                if pending or not holder.pending:\n", "                if True:\n"),),
     ),
     Mutant(
         "enqueue_plain_lock_on_other_master_names",
