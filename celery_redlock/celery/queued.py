@@ -243,15 +243,20 @@ def _own_holder(
             [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
         )
     for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
-        counts: dict[bytes, int] = {}
+        # A marker as placed and as kept (published) are one marker: counted together, and
+        # published once any master shows it so (keep() may have reached only some of them).
+        counts: dict[str, int] = {}
+        shown: dict[str, str] = {}  # per marker, the form to go by: published where seen so
         for mine in replies:
             if mine[j].kind == "ok" and isinstance(mine[j].value, bytes):
-                counts[mine[j].value] = counts.get(mine[j].value, 0) + 1
-        for value, count in counts.items():
-            text = value.decode("utf-8", "replace")
-            record = parse(text.partition(HOLDER_SEPARATOR)[2])
+                text = mine[j].value.decode("utf-8", "replace")
+                form = markers.published(text)
+                counts[form] = counts.get(form, 0) + 1
+                shown[form] = form if text == form else shown.get(form, text)
+        for form, count in counts.items():
+            record = parse(form.partition(HOLDER_SEPARATOR)[2])
             if count >= redlock.quorum and record is not None and record.name == task.name:
-                holder = existing_of(text)
+                holder = existing_of(shown[form])
                 if pending or not holder.pending:
                     return holder
     return None

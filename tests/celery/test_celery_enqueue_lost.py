@@ -25,7 +25,8 @@ from celery import states
 from conftest import ROOT, wait_for
 
 from celery_redlock.celery.settings import app_redlock, close_app_redlock
-from celery_redlock.lock.holder import parse
+from celery_redlock.lock import markers
+from celery_redlock.lock.holder import HolderRecord, parse
 from celery_redlock.lock.resource import HOLDER_SEPARATOR, lock_key
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 from celery_redlock.testing.proxy import Proxy, ProxySet
@@ -218,3 +219,29 @@ def test_a_message_marked_under_other_names_for_the_same_masters_runs(
             f"last: {refused[-1]['error'][:300] if refused else None}; the marker lasts "
             f"lock_enqueue_ttl (3600 s)"
         )
+
+
+@pytest.mark.timeout(30)
+def test_a_marker_kept_on_only_some_masters_is_still_one_queued_message(
+    lost: ModuleType, servers: Servers, tag: str
+) -> None:
+    """A publish whose keep() reached only some masters leaves its marker as placed on the others:
+    the two forms are one marker, and a quorum of them both is a queued message (published, since
+    a master shows it so). Counted apart, neither form had a quorum, and the queued message was
+    reported as nothing at all."""
+    _, masters, _ = servers
+    redlock = app_redlock(lost.app)
+    key = lock_key(redlock.key_prefix, f"lost:{tag}")
+    task_id = f"queued-{tag}"
+    record = HolderRecord(name=lost.deduped.name, host="elsewhere", pid=1, ttl=60.0, queued=True)
+    placed = markers.new_value(record.to_text(task=task_id, since=time.time(), publish="p"))
+    forms = [placed, markers.published(placed), None]  # master 2 never saw it (down, say)
+    for server, value in zip(masters, forms, strict=True):
+        if value is not None:
+            client = server.client()
+            try:
+                client.set(key, value, px=60_000)
+            finally:
+                client.close()
+    assert lost.deduped.queued_task_id(tag) == task_id
+    assert lost.deduped.is_queued(tag)

@@ -579,6 +579,12 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit(QUEUED, "                if pending or not holder.pending:\n", "                if True:\n"),),
     ),
     Mutant(
+        "queued_forms_counted_apart",
+        "a marker kept on only some masters is counted as two values, neither a quorum: not queued",
+        (f"{ENQUEUE_LOST}::test_a_marker_kept_on_only_some_masters_is_still_one_queued_message",),
+        (Edit(QUEUED, "                form = markers.published(text)\n", "                form = text\n"),),
+    ),
+    Mutant(
         "enqueue_plain_lock_on_other_master_names",
         "a run whose message was marked under other names for its masters is refused by its marker",
         (f"{ENQUEUE_LOST}::test_a_message_marked_under_other_names_for_the_same_masters_runs",),
