@@ -364,9 +364,15 @@ def retry(task: Task, run: RunState, attempt: int, countdown: float, error: Lock
 
 def unavailable(error: LockNotAcquired) -> str:
     """Why a run did not get its lock when masters, not a holder, denied the quorum."""
-    failing = "; ".join(error.unavailable_masters) or "masters refused or failed"
     granted = sum(1 for v in error.votes if v.kind == "yes")
     held = sum(1 for v in error.votes if v.kind == "held")
+    if granted >= error.quorum:
+        # Granted by a quorum, but the round outlasted what the TTL allowed: nothing was held.
+        return (
+            f"unavailable: a quorum granted it, but the round took {error.elapsed * 1000:.0f} ms "
+            "and left no validity (slow masters, or a loaded host)"
+        )
+    failing = "; ".join(error.unavailable_masters) or "masters refused or failed"
     # What the others said too: four of five answering and split 2-2 is no outage, but the
     # fifth master decides, which is why the run retries rather than being refused.
     return (
