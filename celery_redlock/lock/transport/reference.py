@@ -444,13 +444,6 @@ class ReferenceExchange:
                     future.exception(max(0.0, deadline - time.monotonic()))
         else:
             _await_enough(jobs, results, enough, deadline)
-        if keep:
-            # INVARIANT (a release reaches every master): what must be written whoever waits is
-            # written (by the deadline) before the call returns, as the fast transport writes it
-            # in the caller's thread: a release that returned on a quorum with the rest still in
-            # its lanes' queues would be lost to a process that exits, or a path that closes,
-            # right after it, and leave those keys until their TTL.
-            _written([job for _, job in jobs.values()], deadline)
         self._unanswered(jobs, results, keep, enough)
         return results
 
