@@ -29,8 +29,8 @@ logger = logging.getLogger("celery_redlock.task")
 EAGER_UNAVAILABLE_WAIT = 2.0
 ATTEMPT_HEADER = "redlock_attempt"
 # What a wait for the lock leaves before the run's hard time limit, besides two rounds to the
-# masters (the wait's last attempt may end a request timeout late; asking for the holder and
-# publishing the lock retry follow it): see _wait_cap.
+# masters (the wait's last attempt may end a request timeout late; asking for the holder,
+# storing the run's RETRY state and publishing the lock retry follow it): see _wait_cap.
 HARD_LIMIT_MARGIN = 1.0
 
 
@@ -339,7 +339,8 @@ def wait_eager(
 
 
 def retry(task: Task, run: RunState, attempt: int, countdown: float, error: LockNotAcquired) -> Retry:
-    """Publish the same message again, later, without spending the task's own retries."""
+    """The same message again, later, without spending the task's own retries: published once
+    this run's RETRY state is stored (see the INVARIANT below)."""
     request = task.request
     headers = dict(getattr(request, "headers", None) or {})
     headers[ATTEMPT_HEADER] = attempt
@@ -358,7 +359,12 @@ def retry(task: Task, run: RunState, attempt: int, countdown: float, error: Lock
         retries=request.retries,
         headers=headers,
     )
-    sig.apply_async()
+    # INVARIANT (a lock retry's outcome is the retried copy's): the copy is published only once
+    # the tracer has stored this run's RETRY state (hooks.publish_lock_retry, on the task_retry
+    # signal the tracer sends right after that store). Published here, a copy that got the lock
+    # at once and finished on another worker could store its SUCCESS first, and this run's
+    # RETRY, stored after it, would stand for ever: the work done, its result never seen.
+    run.retry_later(sig)
     return Retry(f"lock contended (attempt {attempt})", exc=error, when=countdown, sig=sig)
 
 

@@ -236,7 +236,8 @@ def apply_async(
             return publish(args, kwargs, task_id=task_id, **options)
         return _duplicate(task, mode, name, task_id, existing)
     since = time.monotonic() - placed.elapsed  # the placing round's start
-    headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
+    # The value the placing attempt that won wrote (each attempt writes a new one: see _place).
+    headers[MARKER_HEADER] = {"name": name, "value": placed.value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
     result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
     _keep(task, redlock, placed, ttl, since)
@@ -356,7 +357,15 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
     message's marker or its run. Raises :class:`LockNotAcquired` when neither is known after
     ``PLACE_ATTEMPTS`` tries (the masters split between publishers, or not answering)."""
     side = side_key(redlock.key_prefix, name, task.name)
+    holder = value.partition(HOLDER_SEPARATOR)[2]
     for attempt in range(1, PLACE_ATTEMPTS + 1):
+        # INVARIANT (an attempt's retraction never deletes a later attempt's grant): each attempt
+        # writes a value of its own, as a Lock takes a new token per attempt. A failed attempt is
+        # retracted by value, and that delete may reach a master late (kept for a master with
+        # no link, or behind a late reply on an old link), after the next attempt's write there:
+        # with one value for all attempts it deleted that grant, a quorum's marker fell below
+        # quorum, and a second publisher placed its own (two messages for one key).
+        value = markers.new_value(holder)
         placed = markers.place(redlock, name, side, value, ttl)
         if placed.value is None and placed.beside is None and placed.holder is not None:
             record = parse(placed.holder.partition(HOLDER_SEPARATOR)[2])
@@ -494,6 +503,7 @@ def _republish(
         del headers[MARKER_HEADER]
         return publish(args, kwargs, task_id=task_id, **options)
     since = time.monotonic() - placed.elapsed  # the placing round's start
+    headers[MARKER_HEADER]["value"] = placed.value  # the winning attempt's (see _place)
     result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
     _keep(task, redlock, placed, ttl, since)
     return result

@@ -53,6 +53,9 @@ class RunState:
     # The publish time this run's slot was placed by, when its message carried none (see
     # task._redlock_unstamped_time); a lock retry carries it on, so the retry keeps the slot.
     published: float | None = None
+    # The copy of this message a lock retry publishes (a Celery signature), held back until the
+    # tracer has stored this run's RETRY state (see hooks.publish_lock_retry).
+    retry: Any = None
 
     # -- before_start ---------------------------------------------------------------------------
     def open_scope(self) -> None:
@@ -70,6 +73,15 @@ class RunState:
     def placed_by(self, published: float) -> None:
         """The run's slot was placed by ``published``, a time its message did not carry."""
         self.published = published
+
+    def retry_later(self, sig: Any) -> None:
+        """The run retries for its lock: ``sig`` is published once its RETRY state is stored."""
+        self.retry = sig
+
+    def take_retry(self) -> Any:
+        """The lock retry still to publish, once (None: none, or published already)."""
+        sig, self.retry = self.retry, None
+        return sig
 
     # -- the tracer's call ----------------------------------------------------------------------
     def enter(self) -> tuple[Any, int]:

@@ -860,4 +860,48 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "lock_retry_published_before_its_retry_state",
+        "a lock retry is published before its run's RETRY state is stored: a copy that ends first "
+        "has its FAILURE overwritten by that RETRY for ever",
+        ("tests/celery/test_celery_retry_store.py",),
+        (
+            Edit(
+                "celery_redlock/celery/contend.py",
+                "    run.retry_later(sig)\n",
+                "    sig.apply_async()\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "lock_retry_lost_when_its_retry_store_raises",
+        "a lock retry whose RETRY store (or the task's on_retry) raises is never published: the "
+        "task is gone without a trace",
+        (
+            "tests/celery/test_celery_retry_review.py::test_a_lock_retry_is_published_although_its_retry_signal_is_never_sent[backend-down]",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/hooks.py",
+                "    if state != SUCCESS:  # a run that succeeded",
+                "    if False:  # a run that succeeded",
+            ),
+        ),
+    ),
+    Mutant(
+        "forget_swallows_the_owed_announcement",
+        "forget() takes the callback of a lock lost while kept and never calls it: a loss the "
+        "heartbeat had not reached yet is announced by nobody",
+        (
+            "tests/core/test_heartbeat.py::"
+            "test_a_lock_lost_while_the_heartbeat_is_held_up_elsewhere_is_announced_by_forget",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "                owed(lock, reason)\n",
+                "                pass\n",
+            ),
+        ),
+    ),
 )
