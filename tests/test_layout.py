@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# CI runs this file on every claimed Python and on the lowest versions (.ci/run, steps 2 and 3).
+pytestmark = pytest.mark.versions
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "celery_redlock"
 

@@ -50,14 +50,18 @@ def keys_on(masters: ServerSet, pattern: str = "redlock:*") -> list[list[bytes]]
 
 async def take(lock: Any, within: float = 5.0) -> bool:
     """``await lock.acquire(blocking=False)`` for a test whose subject is not the single attempt:
-    an attempt that failed only because answers came late (a loaded host's first connects: no
-    master said the key is held) is made again, until ``within``. A refusal by a holder is final
-    at once, so a test that means "the key is free now" still fails when it is not."""
+    an attempt that failed only because answers came late (a loaded host) is made again, until
+    ``within``. A refusal by a holder is final at once: held on so many masters that no quorum is
+    free, so a test that means "the key is free now" still fails when it is not. A held vote or
+    two besides late answers are masters still working off a release that a quorum confirmed."""
     deadline = time.monotonic() + within
     while True:
         if await lock.acquire(blocking=False):
             return True
         error = lock.last_error
-        held = error is None or any(vote.kind == "held" for vote in error.votes)
+        # Held: enough masters answered that the key is taken that no quorum is left free. Fewer
+        # held votes than that are masters still working off a release that a quorum confirmed
+        # (its other deletes are not waited for); the attempt failed on the late answers.
+        held = error is None or sum(v.kind == "held" for v in error.votes) > len(error.votes) - error.quorum
         if held or time.monotonic() >= deadline:
             return False

@@ -26,7 +26,7 @@ from celery_redlock import Redlock
 from .conftest import Beats, Records, current_leader, wait_until
 from .django_settings import PG_HOST, PG_PORT, PG_USER, celery_settings
 from .ha_checks import check_sigkill_failover, check_sigstop, stamp_doubles, stamped_slot
-from .test_ha import CONF, PERIOD, SLACK, STANDBY, TTL, leader_pid, new_leader
+from .test_ha import CONF, PERIOD, SLACK, STANDBY, STEADY_SLOTS, TTL, leader_pid, new_leader
 
 TASK = "tests.beat.beatapp.record"
 MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
@@ -70,7 +70,7 @@ def test_three_beats_over_django_send_each_slot_once(
     django_beats.start(2, conf=DJANGO_CONF)
     django_beats.start(1, conf={**DJANGO_CONF, "redlock_beat_scheduler": "django"})
     first = int(time.time() // PERIOD) + 2
-    last = first + 29
+    last = first + STEADY_SLOTS - 1
 
     def stamped_after_last() -> bool:
         return any((stamped_slot(s) or 0) > last for s in records.sent())
@@ -91,8 +91,9 @@ def test_three_beats_over_django_send_each_slot_once(
     doubled = stamp_doubles(window)
     senders = {s["pid"] for s in window}
     print(
-        f"\n[beat] django-celery-beat, 3 beats, 30 slots: {len(window)} sent, doubled {len(doubled)}, "
-        f"missed {len(missed)}; the row agreed with the sends ({row.total_run_count} runs)"
+        f"\n[beat] django-celery-beat, 3 beats, {STEADY_SLOTS} slots: {len(window)} sent, "
+        f"doubled {len(doubled)}, missed {len(missed)}; "
+        f"the row agreed with the sends ({row.total_run_count} runs)"
     )
     assert [s for s in sent if stamped_slot(s) is None] == []
     assert doubled == [] and missed == []

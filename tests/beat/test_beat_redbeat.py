@@ -32,7 +32,18 @@ from .ha_checks import (
     interval_doubles,
     interval_gaps,
 )
-from .test_ha import CONF, PERIOD, SCHEDULER, SLACK, STANDBY, TTL, leader_pid, new_leader, wait_sends
+from .test_ha import (
+    CONF,
+    PERIOD,
+    SCHEDULER,
+    SLACK,
+    STANDBY,
+    STEADY_SLOTS,
+    TTL,
+    leader_pid,
+    new_leader,
+    wait_sends,
+)
 
 TASK = "tests.beat.beatapp.record"
 MAX_LOOP = 1.0  # beat_max_loop_interval of the beats (CeleryBeat's --max-interval)
@@ -90,7 +101,7 @@ def test_three_beats_over_redbeat_send_each_period_once(
     # beat_scheduler comes from the settings; one chooses it on the command line instead.
     beats.start(2, conf=redbeat_conf)
     beats.start(1, conf={k: v for k, v in redbeat_conf.items() if k != "beat_scheduler"}, scheduler=SCHEDULER)
-    wait_until(lambda: len(records.sent()) >= 32, 50, "32 sends")
+    wait_until(lambda: len(records.sent()) >= STEADY_SLOTS + 2, 50, f"{STEADY_SLOTS + 2} sends")
     # Only the sender writes redbeat's run records: a standby advancing them would count runs
     # nobody sent (and the leader would find nothing due). Read while the beats run (a beat
     # stopped between recording a run and sending it would make the two differ by one).
@@ -103,14 +114,15 @@ def test_three_beats_over_redbeat_send_each_period_once(
         beat.stop()
 
     sent = records.sent()
-    window = sorted(sent, key=lambda s: s["t"])[1:32]  # 30 periods, from the second send
+    window = sorted(sent, key=lambda s: s["t"])[1 : STEADY_SLOTS + 2]  # from the second send
     gaps = interval_gaps(window)
     doubled = interval_doubles(window)
     missed = [round(g, 3) for g in gaps if g >= 2 * PERIOD]
     senders = {s["pid"] for s in sent}
     print(
-        f"\n[beat] redbeat, 3 beats, 30 periods: gaps {min(gaps):.3f}..{max(gaps):.3f} s, doubled "
-        f"{len(doubled)}, missed {len(missed)}; redbeat's run count agreed with the sends ({ran})"
+        f"\n[beat] redbeat, 3 beats, {STEADY_SLOTS} periods: gaps {min(gaps):.3f}..{max(gaps):.3f} s, "
+        f"doubled {len(doubled)}, missed {len(missed)}; "
+        f"redbeat's run count agreed with the sends ({ran})"
     )
     assert doubled == [] and missed == []
     assert len(senders) == 1, f"more than one beat dispatched: {senders}"

@@ -23,6 +23,9 @@ STANDBY = 0.5
 PERIOD = 1.0
 # Scheduling noise on a shared 2-core machine; the bounds below are TTL + one standby tick.
 SLACK = 1.0
+# The steady-state test's length: about seven TTLs, each lived through by the leader's
+# extensions with two standbys contending for every slot.
+STEADY_SLOTS = 20
 # Aligned intervals: every beat ticks on the same second boundaries, so a successor's first send is
 # the slot after the old leader's last (slot_of counts sends by those boundaries). Unaligned, each
 # beat ticks from its own start and a handover may send a tick early or late by up to a period.
@@ -78,12 +81,15 @@ def test_three_beats_send_each_slot_exactly_once(
     beats.start(2, conf=CONF, scheduler=SCHEDULER)
     beats.start(1, conf={**CONF, "beat_scheduler": SCHEDULER})
     first = slot_of(time.time()) + 2
-    last = first + 29
+    last = first + STEADY_SLOTS - 1
     wait_until(lambda: any(slot_of(s["t"]) > last for s in records.sent()), 45, f"slot {last + 1} to be sent")
 
     window = [s for s in records.sent() if first <= slot_of(s["t"]) <= last]
     doubled, missed = count_slots(window, first, last)
-    print(f"\n[beat] 3 beats, 30 slots: {len(window)} sent, doubled {len(doubled)}, missed {len(missed)}")
+    print(
+        f"\n[beat] 3 beats, {STEADY_SLOTS} slots: {len(window)} sent, "
+        f"doubled {len(doubled)}, missed {len(missed)}"
+    )
     assert doubled == [] and missed == []
     senders = {s["pid"] for s in window}
     assert len(senders) == 1, f"more than one beat dispatched: {senders}"

@@ -54,9 +54,12 @@ def app_env(broker_url: str, backend_url: str, masters: list[str], queue: str = 
     }
 
 
-def start_worker(env: dict[str, str], *, pool: str, concurrency: int, queue: str) -> CeleryWorker:
+def start_worker(
+    env: dict[str, str], *, pool: str, concurrency: int, queue: str, app: str = "lockapp"
+) -> CeleryWorker:
+    """A real worker of ``app`` (a module of this folder) consuming ``queue``."""
     return CeleryWorker(
-        "lockapp",
+        app,
         pool=pool,
         concurrency=concurrency,
         queues=[queue],

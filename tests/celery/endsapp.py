@@ -15,33 +15,13 @@ import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
+from celery import signals as celery_signals
 
 from celery_redlock import RedlockTask
+from tests.workerapp import Records, worker_app
 
-BROKER = os.environ.get("ENDS_BROKER", "redis://127.0.0.1:1/0")
-
-app = Celery("endsapp", broker=BROKER, backend=BROKER)
-app.conf.update(
-    redlock_masters=os.environ.get("ENDS_MASTERS") or None,
-    redlock_ttl=10.0,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=600,
-    task_default_queue="ends-unused",
-)
-
-_records: redis.Redis | None = None
-_records_pid = 0
-
-
-def records() -> redis.Redis:
-    global _records, _records_pid
-    if _records is None or _records_pid != os.getpid():
-        _records = redis.Redis.from_url(BROKER, socket_timeout=10)
-        _records_pid = os.getpid()
-    return _records
+app = worker_app("endsapp", "ENDS")
+records = Records("ENDS_BROKER")
 
 
 def record(key: str, event: str, **fields: Any) -> None:
@@ -51,6 +31,15 @@ def record(key: str, event: str, **fields: Any) -> None:
 
 def events(key: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in records().lrange(f"ends:{key}", 0, -1)]
+
+
+@celery_signals.task_prerun.connect
+def _note_prerun(task_id: str, task: Any, args: Any = (), **_: Any) -> None:
+    """Every run's start (its worker has it, and its lock is not asked for yet), as a
+    ``prerun`` event naming the run and its process: what a test waits on before it acts on a
+    run that is waiting. Under ``run``, not ``task_id``, which marks what a body did."""
+    if args:
+        record(str(args[0]), "prerun", run=task_id)
 
 
 def _hold(task: Any, key: str, seconds: float) -> str:

@@ -13,6 +13,9 @@ from conftest import contend_while_running, ended_at, holds, records, wait_until
 from celery_redlock import Redlock, is_skipped
 from celery_redlock.testing import CeleryWorker, Hold, ServerSet, find_overlaps
 
+# CI runs this file on every claimed Python and on the lowest versions (.ci/run, steps 2 and 3).
+pytestmark = pytest.mark.versions
+
 Pool = tuple[str, str, list[CeleryWorker]]
 
 

@@ -30,7 +30,8 @@ from conftest import HERE, ROOT, RUN, wait_until
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet, free_port
 from celery_redlock.testing.celery import CeleryProcessError
 
-pytestmark = pytest.mark.timeout(120)
+# CI runs this file on 3.12 and 3.13 too (.ci/run, step 3).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.versions]
 
 WARNING = "is multi-threaded, use of fork() may lead to deadlocks"
 TASKS = 3

@@ -18,6 +18,9 @@ from celery_redlock import ConfigError, RedlockTask
 from celery_redlock.celery.keys import compile_lock_key, render_value
 from celery_redlock.celery.slots import slot_name
 
+# CI runs this file on every claimed Python and on the lowest versions (.ci/run, steps 2 and 3).
+pytestmark = pytest.mark.versions
+
 
 def charge(invoice_id: int, amount: int = 0, *, currency: str = "EUR") -> None: ...
 

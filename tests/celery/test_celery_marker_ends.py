@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,6 +110,11 @@ def test_a_marked_message_a_worker_rejects_for_its_content_type_frees_its_key(
     assert "ContentDisallowed" in worker.log_text() or "not accept" in worker.log_text()
 
 
+def prerun_of(events: list[dict[str, Any]], task_id: str) -> int:
+    """The pid of the process that began running ``task_id`` (its ``prerun`` event); 0 if none."""
+    return next((e["pid"] for e in events if e["event"] == "prerun" and e.get("run") == task_id), 0)
+
+
 @pytest.mark.timeout(90)
 def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
     ends: Any, workers: Workers, tag: str
@@ -122,8 +126,8 @@ def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
     holder = ends.slow.apply_async((tag, 3.0), queue=queue)
     assert wait_for(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
     waiting = ends.marked_wait.apply_async((tag,), queue=queue)
-    time.sleep(1.0)  # picked up by a free thread: waiting for the lock
-    ends.app.control.revoke(waiting.id)
+    assert wait_for(lambda: prerun_of(ends.events(tag), waiting.id), 15.0), ends.events(tag)
+    ends.app.control.revoke(waiting.id)  # picked up by a free thread: waiting for the lock
     assert wait_for(lambda: waiting.state == states.REVOKED, 15.0), waiting.state
     assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
         f"the waiting run was revoked ({waiting.state}), yet the key still names it: "
@@ -147,11 +151,11 @@ def test_a_marked_run_whose_pool_child_is_killed_while_it_waits_frees_its_key(
     assert wait_for(lambda: any(e["event"] == "start" for e in ends.events(tag)), 15.0)
     holder_pid = next(e["pid"] for e in ends.events(tag) if e["event"] == "start")
     waiting = ends.marked_wait.apply_async((tag,), queue=queue)
-    assert wait_for(lambda: waiting.state == states.STARTED or len(worker.child_pids()) == 2, 5.0)
-    time.sleep(1.0)  # picked up by the other child: waiting for the lock
-    others = [pid for pid in worker.child_pids() if pid != holder_pid]
-    assert len(others) == 1, (holder_pid, worker.child_pids())
-    os.kill(others[0], signal.SIGKILL)
+    # Picked up by the other child, which waits for the lock: that child is the one killed.
+    assert wait_for(lambda: prerun_of(ends.events(tag), waiting.id), 15.0), ends.events(tag)
+    waiting_pid = prerun_of(ends.events(tag), waiting.id)
+    assert waiting_pid != holder_pid and waiting_pid in worker.child_pids(), (holder_pid, waiting_pid)
+    os.kill(waiting_pid, signal.SIGKILL)
     assert wait_for(lambda: waiting.state == states.FAILURE, 20.0), waiting.state
     assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
         f"the waiting run's child was killed ({waiting.state}: {waiting.result!r}), yet the key "

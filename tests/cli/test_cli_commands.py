@@ -14,6 +14,7 @@ import time
 import uuid
 
 import pytest
+import redis
 
 from celery_redlock import Redlock
 from celery_redlock.lock.heartbeat import Heartbeat
@@ -212,10 +213,15 @@ def test_a_dead_holder_is_released_and_the_next_acquire_gets_in(urls: str, rl: R
     dead.wait(10)
     holder = record(60, host=socket.gethostname(), pid=dead.pid, proc=identity)
     assert rl.lock(resource, ttl=60, holder=holder).acquire(blocking=False)
+    # What the masters hold, read off each server: on a loaded host the acquire may have
+    # retracted a master whose reply came late, and the release deletes what is there.
+    key = rl.key_prefix + resource
+    holding = sum(bool(redis.Redis.from_url(u, socket_timeout=2).exists(key)) for u in urls.split(","))
     ran = standalone("release", resource, "--masters", urls, "--yes", "--json")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     doc = json.loads(ran.stdout)
-    assert doc["outcome"] == "released" and doc["deleted"] == 3 and doc["liveness"]["state"] == "gone"
+    assert holding >= 2 and doc["deleted"] == holding, (holding, doc)
+    assert doc["outcome"] == "released" and doc["liveness"]["state"] == "gone"
     assert "(celery-redlock release)" in doc["by"]
     assert "WARNING celery_redlock.admin: force-released" in ran.stderr  # the audit line
     again = rl.lock(resource, ttl=5)

@@ -141,9 +141,11 @@ def test_a_master_that_refuses_our_commands_is_warned_once(
                 vote = lock.last_votes[0]
                 assert vote.kind == "error" and error in vote.detail, vote
             name = rl.masters[0].name
-        logged = warnings_logged(caplog)
-        assert len(logged) == 1, logged
-        assert name in logged[0] and error in logged[0], logged[0]
+        # The refusal's warnings: on a loaded host a connect may also be reported silent (it
+        # did not answer within its bound), which is another event, warned on its own.
+        logged = [message for message in warnings_logged(caplog) if error in message]
+        assert len(logged) == 1, warnings_logged(caplog)
+        assert name in logged[0], logged[0]
     finally:
         for server in stack:
             server.cleanup()

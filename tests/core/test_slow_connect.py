@@ -211,5 +211,10 @@ def test_connects_that_cost_their_whole_timeout_hold_up_no_other_redlock(
     assert len(results) == 13, results
     ok, spent, error = results.pop("healthy")
     assert ok and spent < 0.25, (spent, error)
+    # What catches connects queued on a shared pool is the healthy Redlock's time above and a
+    # refusal here (a queued connect starts after its deadline began). The time bound says
+    # only that each of the twelve waits out its own connect's one timeout (a first round reads
+    # its replies by its deadline), not a second; between the two is the load of 13 threads
+    # and their 36 connect threads.
     for name, (ok, spent, error) in results.items():
-        assert ok and spent < timeout + SLACK, (name, spent, error)
+        assert ok and spent < 2 * timeout, (name, spent, error)

@@ -13,37 +13,13 @@ import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
-
 from celery_redlock import RedlockTask
 from celery_redlock.celery import signals as lock_signals
 
-app = Celery(
-    "enqueue_lost",
-    broker=os.environ.get("ELOST_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("ELOST_BACKEND", "redis://127.0.0.1:1/1"),
-)
-app.conf.update(
-    redlock_masters=os.environ.get("ELOST_MASTERS") or None,
-    redlock_ttl=10.0,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=600,
-    task_default_queue="elost-unused",
-)
+from ..workerapp import Records, worker_app
 
-_records: redis.Redis | None = None
-_records_pid = 0
-
-
-def records() -> redis.Redis:
-    global _records, _records_pid
-    if _records is None or _records_pid != os.getpid():
-        url = os.environ.get("ELOST_RECORDS", "redis://127.0.0.1:1/2")
-        _records = redis.Redis.from_url(url, socket_timeout=10)
-        _records_pid = os.getpid()
-    return _records
+app = worker_app("enqueue_lost", "ELOST")
+records = Records("ELOST_RECORDS")
 
 
 def record(key: str, event: str, **fields: Any) -> None:

@@ -43,11 +43,16 @@ def server(redlock_master_urls: list[str], tmp_path: Path) -> Iterator[str]:
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
     }
     command = [sys.executable, "-m", "uvicorn", "examples.asgi.app:app", "--host", "127.0.0.1"]
+    # Its output goes to a file, never to a pipe that nobody reads while the test runs: a worker
+    # whose write to a full pipe blocks stops its whole event loop, every request with it. The
+    # file is printed at the end, which pytest shows for a test that failed.
+    log_path = tmp_path / "uvicorn.log"
+    log = log_path.open("wb")
     process = subprocess.Popen(
         [*command, "--port", str(port), "--workers", "2", "--log-level", "warning"],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its worker processes are in its group: stopped with it
     )
@@ -61,8 +66,7 @@ def server(redlock_master_urls: list[str], tmp_path: Path) -> Iterator[str]:
             except httpx.TransportError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                output = process.stdout.read().decode() if process.stdout else ""
-                pytest.fail(f"uvicorn did not come up: {output}")
+                pytest.fail(f"uvicorn did not come up: {log_path.read_text(errors='replace')}")
             time.sleep(0.1)
         yield url
     finally:
@@ -72,8 +76,8 @@ def server(redlock_master_urls: list[str], tmp_path: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(5)
-        if process.stdout:
-            process.stdout.close()
+        log.close()
+        print(f"uvicorn's output:\n{log_path.read_text(errors='replace')[-20000:]}")
 
 
 def test_concurrent_builds_over_two_workers_never_overlap(server: str) -> None:

@@ -97,12 +97,19 @@ def stale_reason(edits: tuple[Edit, ...], base: Path) -> str:
     return ""
 
 
+def _child_env() -> dict[str, str]:
+    """The environment of a pytest this runner starts: its own run, so without the caller's
+    PYTHONPATH and PYTEST_ADDOPTS (CI's --randomly-seed, --junitxml and --durations are for the
+    suite's run; with ``-p no:randomly`` the seed option is unknown and collection fails)."""
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+
+
 def unknown_tests(mutants: list[Mutant], base: Path) -> dict[str, list[str]]:
     """The test ids each mutant names that pytest does not collect under ``base`` (a test
     renamed, or given a parameter, since): a mutant whose tests cannot run proves nothing."""
     named = sorted({test for mutant in mutants for test in mutant.tests})
     files = sorted({test.split("::")[0] for test in named})
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env = _child_env()
     env["PYTHONPATH"] = str(base)
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly", *files],
@@ -132,7 +139,7 @@ def apply(edits: tuple[Edit, ...], base: Path) -> None:
 def run_tests(copy: Path, tests: tuple[str, ...], log: Path, timeout: float) -> tuple[int | None, float]:
     """pytest on ``tests`` in ``copy``; (its exit status, or None if stopped at ``timeout``;
     seconds taken). Its output goes to ``log``."""
-    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    env = _child_env()
     env["PYTHONPATH"] = str(copy)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     command = [sys.executable, "-c", BOOTSTRAP, *PYTEST_ARGS, *tests]

@@ -31,49 +31,23 @@ import time
 import uuid
 from typing import Any
 
-import redis
-from celery import Celery
 from celery import signals as celery_signals
 
 from celery_redlock import RedlockTask
 from celery_redlock.celery import signals as lock_signals
 
+from ..workerapp import Records, worker_app
 from .checker import holder_task_id
 
 MODES = ("retry", "skip", "fail", "wait")
 KEY_PREFIX = "step:"
 
-app = Celery(
-    "progress",
-    broker=os.environ.get("PROGRESS_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("PROGRESS_BACKEND", "redis://127.0.0.1:1/1"),
-)
-app.conf.update(
-    redlock_masters=os.environ.get("PROGRESS_MASTERS") or None,
-    redlock_ttl=10.0,  # longer than any body here; the heartbeat keeps it anyway
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=3600,
-    task_default_queue="progress-unused",
-)
-
-_records: redis.Redis | None = None
-_records_pid = 0
-_records_url = ""
+app = worker_app("progress", "PROGRESS", result_expires=3600)
+records = Records("PROGRESS_RECORDS")
 # What happened to a delivery before its body (or its refusal) is recorded, by task id: each
 # delivery of a task id runs in one thread of one process, from task_prerun to its end.
 _tries: dict[str, float] = {}
 _acquired: dict[str, tuple[float, float]] = {}
-
-
-def records() -> redis.Redis:
-    """A client for the history, one per process (prefork children make their own)."""
-    global _records, _records_pid, _records_url
-    url = os.environ.get("PROGRESS_RECORDS", "redis://127.0.0.1:1/2")
-    if _records is None or _records_pid != os.getpid() or _records_url != url:
-        _records = redis.Redis.from_url(url, socket_timeout=10)
-        _records_pid, _records_url = os.getpid(), url
-    return _records
 
 
 def log_name(key: str) -> str:

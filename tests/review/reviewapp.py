@@ -17,8 +17,6 @@ import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
 from celery import signals as celery_signals
 from celery.exceptions import Reject
 
@@ -26,35 +24,12 @@ from celery_redlock import RedlockTask
 from celery_redlock.celery import signals as lock_signals
 
 from ..waiting import wait_for as wait_for  # the review tests import it from here
+from ..workerapp import Records, worker_app
 
-app = Celery(
-    "review",
-    broker=os.environ.get("REVIEW_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("REVIEW_BACKEND", "redis://127.0.0.1:1/1"),
+app = worker_app(
+    "review", "REVIEW", redlock_ttl=20.0, redlock_retry_backoff=0.05, redlock_retry_backoff_max=0.3
 )
-app.conf.update(
-    redlock_masters=os.environ.get("REVIEW_MASTERS") or None,
-    redlock_ttl=20.0,
-    redlock_retry_backoff=0.05,
-    redlock_retry_backoff_max=0.3,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=600,
-    task_default_queue="review-unused",
-)
-
-_records: redis.Redis | None = None
-_records_pid = 0
-_records_url = ""
-
-
-def records() -> redis.Redis:
-    global _records, _records_pid, _records_url
-    url = os.environ.get("REVIEW_RECORDS", "redis://127.0.0.1:1/2")
-    if _records is None or _records_pid != os.getpid() or _records_url != url:
-        _records = redis.Redis.from_url(url, socket_timeout=10)
-        _records_pid, _records_url = os.getpid(), url
-    return _records
+records = Records("REVIEW_RECORDS")
 
 
 def record(key: str, event: str, **fields: Any) -> None:

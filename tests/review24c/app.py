@@ -14,41 +14,19 @@ import os
 import time
 from typing import Any
 
-import redis
-from celery import Celery
+from celery import signals as celery_signals
 
 from celery_redlock import RedlockTask
 
-app = Celery(
-    "review24c",
-    broker=os.environ.get("R24_BROKER", "redis://127.0.0.1:1/0"),
-    backend=os.environ.get("R24_BACKEND", "redis://127.0.0.1:1/1"),
-)
-app.conf.update(
-    redlock_masters=os.environ.get("R24_MASTERS") or None,
-    redlock_ttl=10.0,
-    worker_prefetch_multiplier=1,
-    broker_connection_retry_on_startup=True,
-    result_expires=600,
-    task_default_queue="r24-unused",
-)
+from ..workerapp import Records, worker_app
+
+app = worker_app("review24c", "R24")
 if os.environ.get("R24_REQUEST_TIMEOUT"):
     app.conf.redlock_request_timeout = float(os.environ["R24_REQUEST_TIMEOUT"])
 if os.environ.get("R24_TIME_LIMIT"):
     app.conf.task_time_limit = float(os.environ["R24_TIME_LIMIT"])
 
-_records: redis.Redis | None = None
-_records_pid = 0
-
-
-def records() -> redis.Redis:
-    global _records, _records_pid
-    if _records is None or _records_pid != os.getpid():
-        _records = redis.Redis.from_url(
-            os.environ.get("R24_RECORDS", "redis://127.0.0.1:1/2"), socket_timeout=10
-        )
-        _records_pid = os.getpid()
-    return _records
+records = Records("R24_RECORDS")
 
 
 def record(key: str, event: str, **fields: Any) -> None:
@@ -58,6 +36,15 @@ def record(key: str, event: str, **fields: Any) -> None:
 
 def events(key: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in records().lrange(f"r24:{key}", 0, -1)]
+
+
+@celery_signals.task_prerun.connect
+def _note_prerun(task_id: str, task: Any, args: Any = (), **_: Any) -> None:
+    """Every run's start (its worker has it, and its lock is not asked for yet), as a
+    ``prerun`` event naming the run and its process: what a test waits on before it acts on a
+    run that is waiting. Under ``run``, not ``task_id``, which marks what a body did."""
+    if args:
+        record(str(args[0]), "prerun", run=task_id)
 
 
 def _hold(task: Any, key: str, seconds: float) -> str:

@@ -96,8 +96,9 @@ def test_a_marked_run_revoked_with_terminate_while_it_waits_frees_its_key(
     holder = r24.slow.apply_async((tag, 4.0), queue=queue)
     assert wait_for(lambda: any(e["event"] == "start" for e in r24.events(tag)), 20.0)
     waiting = r24.marked_wait.apply_async((tag,), queue=queue)
-    time.sleep(1.0)  # picked up by the other child: waiting for the lock
-    r24.app.control.revoke(waiting.id, terminate=True)
+    ran = lambda: any(e["event"] == "prerun" and e.get("run") == waiting.id for e in r24.events(tag))  # noqa: E731
+    assert wait_for(ran, 20.0), r24.events(tag)
+    r24.app.control.revoke(waiting.id, terminate=True)  # in the other child: waiting for the lock
     assert wait_for(lambda: waiting.state == states.REVOKED, 20.0), (waiting.state, worker.log_tail(1500))
     assert wait_for(lambda: r24.marked_wait.queued_task_id(tag) is None, 3.0), (
         f"revoked ({waiting.state}), yet the key still names it: {r24.marked_wait.queued_task_id(tag)}"

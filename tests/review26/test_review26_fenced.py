@@ -11,6 +11,7 @@ import pytest
 
 from celery_redlock import Redlock
 from celery_redlock.testing import ServerSet
+from tests.core.conftest import take
 
 from .conftest import TRANSPORTS
 
@@ -21,7 +22,9 @@ def test_a_fenced_acquire_is_granted_with_a_paused_minority(masters: ServerSet, 
     timeout = 0.2
     with Redlock(masters.urls, retry_count=0, request_timeout=timeout, transport=transport) as rl:
         first = rl.lock("fenced-paused", ttl=10, fenced=True)
-        assert first.acquire(blocking=False)  # every link made, every script cached
+        # Every link made, every script cached; its setting up is not the subject: an attempt
+        # whose connects came late on a loaded host is made again (take), a holder is not.
+        assert take(first)
         before = first.fence
         assert before is not None and first.release()
         time.sleep(0.2)  # the release's last reply read: every connection idle (see transports)

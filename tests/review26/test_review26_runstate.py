@@ -6,7 +6,6 @@ many backstops look), and a reentrant run's owner scope ends with it."""
 from __future__ import annotations
 
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,8 @@ import pytest
 from celery_redlock.celery.settings import close_app_redlock
 from celery_redlock.lock.owner import current_owner
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+
+from ..waiting import wait_for
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -72,13 +73,17 @@ def test_each_run_ends_once_whatever_the_backstops(
     for n, how in enumerate(["ok", "raise", "retry", "self", "ok"]):
         outcome = run(runsapp, mode, request, runsapp.ends, tag, n, how)
         assert outcome == how or how == "raise", (how, outcome)
-    time.sleep(0.3)  # the last signal's push
-    released = runsapp.read(tag, "released")
-    per_key: dict[str, list[str]] = {}
-    for entry in released:
-        per_key.setdefault(entry["key"], []).append(entry["state"])
     runs = {f"runs26:{tag}/{n}": count for n, count in enumerate([1, 1, 2, 1, 1])}
-    assert {key: len(states) for key, states in per_key.items()} == runs, per_key
+
+    def per_key() -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for entry in runsapp.read(tag, "released"):
+            found.setdefault(entry["key"], []).append(entry["state"])
+        return found
+
+    # The last run's release is pushed by a signal after its result is readable: waited for.
+    wait_for(lambda: {key: len(states) for key, states in per_key().items()} == runs, 5)
+    assert {key: len(states) for key, states in per_key().items()} == runs, per_key()
     assert all(holds == [0, 0, 0] for holds in (_holding(masters, key) for key in runs))
 
 
