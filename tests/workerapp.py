@@ -6,11 +6,14 @@ by the test process, so everything here is read from the environment, not from f
 
 from __future__ import annotations
 
+import json
 import os
+import time
 from typing import Any
 
 import redis
 from celery import Celery
+from celery import signals as celery_signals
 
 NOWHERE = "redis://127.0.0.1:1"  # no server: an app imported without its environment fails loudly
 
@@ -52,3 +55,32 @@ class Records:
             self._client = redis.Redis.from_url(made_for[1], socket_timeout=10)
             self._made_for = made_for
         return self._client
+
+
+class EventLog:
+    """What a test app's bodies and signals record, as JSON events on the Redis list
+    ``{list_prefix}<key>`` of ``records``: each event names its key, its process and its time."""
+
+    def __init__(self, records: Records, list_prefix: str) -> None:
+        self.records, self.list_prefix = records, list_prefix
+
+    def record(self, key: str, event: str, **fields: Any) -> None:
+        fields.setdefault("t", time.time())
+        entry = {"event": event, "key": key, "pid": os.getpid(), **fields}
+        self.records().rpush(f"{self.list_prefix}{key}", json.dumps(entry))
+
+    def events(self, key: str) -> list[dict[str, Any]]:
+        return [json.loads(raw) for raw in self.records().lrange(f"{self.list_prefix}{key}", 0, -1)]
+
+    def note_preruns(self) -> None:
+        """Record every run's start (its worker has it, and its lock is not asked for yet) as a
+        ``prerun`` event naming the run and its process, under the run's first argument: what a
+        test waits on before it acts on a run that is waiting. Under ``run``, not ``task_id``,
+        which marks what a body did."""
+
+        def note(task_id: str, task: Any, args: Any = (), **_: Any) -> None:
+            if args:
+                self.record(str(args[0]), "prerun", run=task_id)
+
+        self._note = note  # signals hold weak references: the log keeps its receiver alive
+        celery_signals.task_prerun.connect(note, weak=False)

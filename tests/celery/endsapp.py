@@ -10,36 +10,20 @@ With ``ENDS_OLD_DEPLOY=1`` the marked tasks are not registered: a worker of anot
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
 
-from celery import signals as celery_signals
-
 from celery_redlock import RedlockTask
-from tests.workerapp import Records, worker_app
+from tests.workerapp import EventLog, Records, worker_app
 
 app = worker_app("endsapp", "ENDS")
 records = Records("ENDS_BROKER")
 
 
-def record(key: str, event: str, **fields: Any) -> None:
-    fields.setdefault("t", time.time())
-    records().rpush(f"ends:{key}", json.dumps({"event": event, "key": key, "pid": os.getpid(), **fields}))
-
-
-def events(key: str) -> list[dict[str, Any]]:
-    return [json.loads(raw) for raw in records().lrange(f"ends:{key}", 0, -1)]
-
-
-@celery_signals.task_prerun.connect
-def _note_prerun(task_id: str, task: Any, args: Any = (), **_: Any) -> None:
-    """Every run's start (its worker has it, and its lock is not asked for yet), as a
-    ``prerun`` event naming the run and its process: what a test waits on before it acts on a
-    run that is waiting. Under ``run``, not ``task_id``, which marks what a body did."""
-    if args:
-        record(str(args[0]), "prerun", run=task_id)
+log = EventLog(records, "ends:")
+record, events = log.record, log.events
+log.note_preruns()
 
 
 def _hold(task: Any, key: str, seconds: float) -> str:
