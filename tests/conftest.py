@@ -36,3 +36,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         bound = pytest_timeout.Settings(SESSION_TEARDOWN_BOUND, method, False, False)
         hooks.pytest_timeout_set_timer(item=item, settings=bound)
     yield
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under ``--dist loadfile`` (the README's command), the longest files are handed out first
+    (tests/schedule.py says why); any other distribution is xdist's own."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from .schedule import LongestFirstScheduling
+
+    return LongestFirstScheduling(config, log)

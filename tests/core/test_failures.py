@@ -142,7 +142,12 @@ def test_late_write_from_a_paused_master_is_retracted(masters: ServerSet, fresh:
     masters[4].pause()
     lock = fresh.lock("late", ttl=30)
     assert take(lock)
-    assert [v.kind for v in lock.last_votes][4] == "timeout"
+    # The paused master did not answer: its reply is late (timeout), or, where an earlier
+    # attempt of take() timed out there, the reference transport's lane is still waiting on that
+    # reply and this attempt's SET is not written in time (error). Either way a SET of ours was
+    # written to it and lands when it resumes.
+    vote = lock.last_votes[4]
+    assert vote.kind == "timeout" or (vote.kind == "error" and vote.detail.startswith("not written")), vote
     lock.release()
     masters[4].resume()
     client = masters[4].client()

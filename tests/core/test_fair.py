@@ -367,7 +367,11 @@ def test_poll_mode_keeps_arrival_order_too(masters: ServerSet, rl: Redlock) -> N
     # Each waiter's client is connected (and its scripts loaded) before the arrivals start:
     # "arrival" is the call to acquire, so the spacing must not also hold five connects, which
     # under a loaded machine took longer than the spacing and let a later waiter join first.
-    clients = [Redlock(masters.urls, wait="poll", retry_delay=1.0, request_timeout=0.2) for _ in range(6)]
+    # Their request timeout is long (1 s, not 0.2 s): a join whose replies came late on a loaded
+    # machine failed, and that waiter joined again after its nap, behind the later arrivals
+    # (seen once beside a CPU hog: order [1, 2, 3, 4, 5, 0]). A join that waits for its replies
+    # is placed in the order it was written in, which the spacing decides.
+    clients = [Redlock(masters.urls, wait="poll", retry_delay=1.0, request_timeout=1.0) for _ in range(6)]
     for own in clients:
         warm = own.lock("poll-order-warm", ttl=5, fair=True)
         assert take(warm, within=10)
