@@ -186,3 +186,16 @@ def ended_at(lockapp: Any, tag: str) -> float:
     """When the body recording to ``tag`` ended (the ``end`` of its record that has one), on the
     same monotonic clock as this process (the workers run on this machine)."""
     return float(next(r["end"] for r in records(lockapp, tag) if "end" in r))
+
+
+def woken_by_release(lockapp: Any, tag: str, intervals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The wait-mode runs of ``intervals`` (lock ``res:<tag>``) that fell back to a lock retry for
+    any reason but unavailability (``[]`` when each was woken by a release). A run whose first
+    round got no quorum for want of replies (late ones, on a loaded host) is retried whatever
+    its mode, never made to wait (docs/celery.md), and that retry is not a failed wake. At least
+    half the runs must have waited, so that the wake was exercised at all."""
+    fell_back = {r["task_id"] for r in intervals if r["attempt"]}
+    assert len(fell_back) <= len(intervals) // 2, f"{len(fell_back)} of {len(intervals)} runs were retried"
+    decisions = [r for r in records(lockapp, "signals:contended") if r["key"] == f"res:{tag}"]
+    unavailable = {r["task_id"] for r in decisions if r["policy"] == "retry" and not r["contended"]}
+    return [r for r in intervals if r["task_id"] in fell_back - unavailable]

@@ -341,9 +341,27 @@ def collect(values: Any) -> Any:
 
 @lock_signals.lock_contended.connect
 def _on_contended(
-    sender: Any = None, key: str = "", policy: str = "", attempt: int = 0, countdown: float = 0.0, **_: Any
+    sender: Any = None,
+    key: str = "",
+    task_id: str = "",
+    policy: str = "",
+    attempt: int = 0,
+    countdown: float = 0.0,
+    error: Any = None,
+    **_: Any,
 ) -> None:
-    record("signals:contended", key=key, policy=policy, attempt=attempt, countdown=countdown)
+    """Each contended run's decision; ``contended`` is False where no quorum could be decided
+    for want of replies (unavailability, retried whatever the task's mode)."""
+    contended = bool(getattr(error, "contended", True))
+    record(
+        "signals:contended",
+        key=key,
+        task_id=task_id,
+        policy=policy,
+        attempt=attempt,
+        countdown=countdown,
+        contended=contended,
+    )
 
 
 @lock_signals.lock_lost.connect
