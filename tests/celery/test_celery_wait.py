@@ -84,8 +84,10 @@ def test_revoke_while_waiting_ends_the_run_holding_nothing(lockapp: Any, pool: P
     _control(broker, "revoke-terminate" if name == "prefork" else "revoke", waiter.id)
     with pytest.raises(TaskRevokedError):
         waiter.get(timeout=20)
-    # Ended while the holder still held: the wait itself was cut short.
-    assert time.monotonic() - revoked_at < 1.8
+    # Ended while the holder still held, and well before the wait's own timeout (20 s): the
+    # revoke cut the wait short. (Not a tighter bound: how soon a revoke reaches a worker is the
+    # broker's and the load's, and a loaded host took 4 s.)
+    assert time.monotonic() - revoked_at < 10.0
     assert holder.state != "SUCCESS"
     lockapp.store().set(flag, 1)
     holder.get(timeout=30)

@@ -9,4 +9,5 @@ from celery import Celery
 
 app = Celery("cliapp")
 app.conf.redlock_masters = os.environ["CLIAPP_MASTERS"].split(",")
+app.conf.redlock_request_timeout = float(os.environ.get("CLIAPP_REQUEST_TIMEOUT") or 0.1)
 app.conf.redlock_key_prefix = os.environ.get("CLIAPP_KEY_PREFIX", "redlock:")

@@ -38,8 +38,20 @@ def rl(masters: ServerSet) -> Iterator[Redlock]:
         yield instance
 
 
+TEST_REQUEST_TIMEOUT = "1.0"
+
+
 def _env(extra: dict[str, str] | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CELERY_REDLOCK_")}
+    # Both front ends wait up to a second for a master's answer, unless a test sets its own: at
+    # the default 0.1 s a loaded host made a running master "down" in one reading and "free" in
+    # the other. The tests of what a timeout reads like set it (or CLIAPP_REQUEST_TIMEOUT).
+    env.update(
+        {
+            "CELERY_REDLOCK_REQUEST_TIMEOUT": TEST_REQUEST_TIMEOUT,
+            "CLIAPP_REQUEST_TIMEOUT": TEST_REQUEST_TIMEOUT,
+        }
+    )
     env.update(extra or {})
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT)])
     return env

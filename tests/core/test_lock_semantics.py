@@ -489,6 +489,23 @@ def test_close_is_idempotent_and_the_redlock_usable_after_it(masters: ServerSet)
             assert wait_for(lambda: not connections_to(ports), 5.0), connections_to(ports)
 
 
+@pytest.mark.fast_transport("a fast-transport master's links after close()")
+def test_a_link_whose_connect_ends_after_close_is_closed(masters: ServerSet) -> None:
+    """INVARIANT (close() leaves no connection open): a connect under way when its Redlock is
+    closed (one its round stopped waiting for, a background retry's, a delivery task's) ends
+    with its link closed, not kept for a round that may never come. Under load a round's slow
+    connect ended just after close(), and its socket stayed open for good."""
+    ports = {server.port for server in masters}
+    rl = Redlock(masters.urls, request_timeout=2.0)
+    master = rl.masters[0]
+    connect = master.start_connect()  # under way, as a round's that gave up on it
+    assert connect is not None
+    rl.close()
+    connect.result(timeout=10)  # connected, after close()
+    master.keep_for_later(connect)  # the round's done-callback
+    assert wait_for(lambda: not connections_to(ports), 5.0), connections_to(ports)
+
+
 @pytest.mark.timeout(30)
 def test_a_redlock_dropped_with_a_master_down_leaves_its_threads_behind(masters: ServerSet) -> None:
     # A master that refuses connections is retried in the background; that too ends with the

@@ -904,4 +904,32 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "late_connect_kept_after_close",
+        "a link whose connect ends after close() is kept: the closed Redlock's socket stays open",
+        (
+            "tests/core/test_lock_semantics.py::test_a_link_whose_connect_ends_after_close_is_closed[embedded-fast]",
+        ),
+        (Edit(MASTER, "            if not (self._closed or self.refusal):\n", "            if True:\n"),),
+    ),
+    Mutant(
+        "connects_share_a_small_pool",
+        "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
+        "a whole timeout late, and a healthy Redlock waits for another's unreachable master",
+        (
+            "tests/core/test_slow_connect.py::"
+            "test_connects_that_cost_their_whole_timeout_hold_up_no_other_redlock",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/transport/threads.py",
+                "    future: Future[Any] = Future()\n",
+                "    from concurrent.futures import ThreadPoolExecutor\n\n"
+                "    global _POOL\n"
+                "    _POOL = globals().get('_POOL') or ThreadPoolExecutor(4)\n"
+                "    return _POOL.submit(function, *args)\n"
+                "    future: Future[Any] = Future()\n",
+            ),
+        ),
+    ),
 )

@@ -301,7 +301,7 @@ class Master:
             except Exception:  # a bug must not end the retries
                 logger.exception("reconnecting to %s failed", self.name)
         if link is not None:
-            self._fresh.append(link)
+            self._keep_fresh(link)
         with self._mutex:
             self._retrying = False
         if link is None:
@@ -388,7 +388,7 @@ class Master:
                 again = bool(self._unsent) and link is not None and not self._closed
         if link is not None:
             if new:  # not identified by a round yet: the next round does that (see take_fresh)
-                self._fresh.append(link)
+                self._keep_fresh(link)
             else:
                 self.give_back(link)
         if again:  # kept while this task was writing
@@ -421,11 +421,22 @@ class Master:
         """Done-callback of a connect its round stopped waiting for: the link serves a later one."""
         if future.cancelled() or future.exception() is not None:
             return  # connect() has put the master down
-        link = future.result()
-        if self.refusal:
-            link.close()
-        else:
-            self._fresh.append(link)
+        self._keep_fresh(future.result())
+
+    def _keep_fresh(self, link: Link) -> None:
+        """Keep a link connected off a round's path (a retry's, a delivery task's, a connect its
+        round stopped waiting for) for the next round.
+
+        INVARIANT (close() leaves no connection open): a link whose connect ended after close()
+        (or after the master was refused) is closed here, since close() has already taken apart
+        what it found and nothing else would close this one: under load a round's slow connect
+        ended after its Redlock was closed and the socket stayed open for good. Checked under
+        the mutex that close() takes its links under."""
+        with self._mutex:
+            if not (self._closed or self.refusal):
+                self._fresh.append(link)
+                return
+        link.close()
 
     def connect(self, deadline: float) -> Link:
         """A new link by ``deadline``: connected, authenticated, its database selected, its
