@@ -9,11 +9,13 @@ a stopped one."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from celery_redlock.celery.settings import close_app_redlock
+from celery_redlock.lock import markers
+from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import RedisServer, ServerSet
 
 MASTERS = 3
@@ -49,3 +51,25 @@ def configured(app: Any, env: dict[str, str], prefix: str) -> Iterator[None]:
         yield
     finally:
         close_app_redlock(app)
+
+
+def marker_gone(masters: Iterable[Any], prefix: str, name: str, task: str, task_id: str) -> bool:
+    """Whether no master holds a value naming ``task_id`` (its message's marker, or its run's
+    lock) for resource ``name``, on the lock key or on ``task``'s side key: every master read
+    with a plain client, which answers or raises.
+
+    The event a test's next publish must come after. Not ``queued_task_id() is None``: that is
+    one round bounded by ``request_timeout``, and a quorum of masters answering late (a loaded
+    host) reads as "not queued" while the marker is still on all of them. Nor the message's
+    REVOKED state: Celery stores it when the worker receives the revoke, but a delayed message
+    is discarded, and its marker deleted, only when it comes due."""
+    keys = (lock_key(prefix, name), markers.side_key(prefix, name, task))
+    needle = f'"task":"{task_id}"'.encode()
+    for server in masters:
+        client = server.client()
+        try:
+            if any(needle in (client.get(key) or b"") for key in keys):
+                return False
+        finally:
+            client.close()
+    return True

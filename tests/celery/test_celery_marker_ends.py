@@ -19,6 +19,7 @@ from celery_redlock.celery import discarded
 from celery_redlock.celery.settings import app_settings_and_redlock, close_app_redlock
 from celery_redlock.lock import markers
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+from tests.appservers import marker_gone
 
 Workers = Callable[..., tuple[str, CeleryWorker]]
 
@@ -74,20 +75,28 @@ def workers(ends: Any, broker: RedisServer, _redlock_server_set: ServerSet) -> I
 
 
 @pytest.fixture
+def gone(ends: Any, _redlock_server_set: ServerSet) -> Callable[[Any, str, str], bool]:
+    """Whether no master names ``task_id`` for ``e:<tag>`` (see tests/appservers.marker_gone),
+    called as ``gone(task, tag, task_id)``."""
+    prefix = app_settings_and_redlock(ends.app)[1].key_prefix
+    return lambda task, tag, task_id: marker_gone(_redlock_server_set, prefix, f"e:{tag}", task.name, task_id)
+
+
+@pytest.fixture
 def tag() -> str:
     return uuid.uuid4().hex[:10]
 
 
 @pytest.mark.timeout(90)
 def test_a_marked_message_a_worker_discards_as_unregistered_frees_its_key(
-    ends: Any, workers: Workers, tag: str
+    ends: Any, workers: Workers, tag: str, gone: Callable[[Any, str, str], bool]
 ) -> None:
     """A worker of another deploy (celery_redlock configured, the task not registered) discards
     the message: it can never run. The next publish must be published, not handed its id."""
     queue, worker = workers("solo", None, ENDS_OLD_DEPLOY="1")
     first = ends.marked.apply_async((tag,), queue=queue)
     assert wait_for(lambda: first.state == states.FAILURE, 20.0), first.state  # NotRegistered
-    assert wait_for(lambda: ends.marked.queued_task_id(tag) is None, 5.0), (
+    assert wait_for(lambda: gone(ends.marked, tag, first.id), 5.0), (
         f"the message {first.id} was discarded (unregistered task), yet its key still names it: "
         f"{ends.marked.queued_task_id(tag)}; log: {worker.log_tail(1500)}"
     )
@@ -97,13 +106,13 @@ def test_a_marked_message_a_worker_discards_as_unregistered_frees_its_key(
 
 @pytest.mark.timeout(90)
 def test_a_marked_message_a_worker_rejects_for_its_content_type_frees_its_key(
-    ends: Any, workers: Workers, tag: str
+    ends: Any, workers: Workers, tag: str, gone: Callable[[Any, str, str], bool]
 ) -> None:
     """A message in a content type the worker does not accept (pickle; it accepts json) is
     rejected before any run: its marker must go with it."""
     queue, worker = workers("solo", None)
     first = ends.marked.apply_async((tag,), queue=queue, serializer="pickle")
-    assert wait_for(lambda: ends.marked.queued_task_id(tag) is None, 20.0), (
+    assert wait_for(lambda: gone(ends.marked, tag, first.id), 20.0), (
         f"the message {first.id} was rejected (content type), yet its key still names it: "
         f"{ends.marked.queued_task_id(tag)}; log: {worker.log_tail(1500)}"
     )
@@ -117,7 +126,7 @@ def prerun_of(events: list[dict[str, Any]], task_id: str) -> int:
 
 @pytest.mark.timeout(90)
 def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
-    ends: Any, workers: Workers, tag: str
+    ends: Any, workers: Workers, tag: str, gone: Callable[[Any, str, str], bool]
 ) -> None:
     """``lock_contended="wait"``: a marked message (its marker beside the key, which another task
     holds) is revoked while its run waits (threads pool: the wait sees the revoke and ends the
@@ -129,7 +138,7 @@ def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
     assert wait_for(lambda: prerun_of(ends.events(tag), waiting.id), 15.0), ends.events(tag)
     ends.app.control.revoke(waiting.id)  # picked up by a free thread: waiting for the lock
     assert wait_for(lambda: waiting.state == states.REVOKED, 15.0), waiting.state
-    assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
+    assert wait_for(lambda: gone(ends.marked_wait, tag, waiting.id), 5.0), (
         f"the waiting run was revoked ({waiting.state}), yet the key still names it: "
         f"{ends.marked_wait.queued_task_id(tag)}; events {ends.events(tag)}"
     )
@@ -141,7 +150,7 @@ def test_a_marked_message_revoked_while_it_waits_for_the_lock_frees_its_key(
 
 @pytest.mark.timeout(90)
 def test_a_marked_run_whose_pool_child_is_killed_while_it_waits_frees_its_key(
-    ends: Any, workers: Workers, tag: str
+    ends: Any, workers: Workers, tag: str, gone: Callable[[Any, str, str], bool]
 ) -> None:
     """prefork: a marked run waits for the lock (another task holds it) and its pool child is
     SIGKILLed (the OOM killer). The worker records the failure; the marker must not outlive
@@ -157,7 +166,7 @@ def test_a_marked_run_whose_pool_child_is_killed_while_it_waits_frees_its_key(
     assert waiting_pid != holder_pid and waiting_pid in worker.child_pids(), (holder_pid, waiting_pid)
     os.kill(waiting_pid, signal.SIGKILL)
     assert wait_for(lambda: waiting.state == states.FAILURE, 20.0), waiting.state
-    assert wait_for(lambda: ends.marked_wait.queued_task_id(tag) is None, 2.0), (
+    assert wait_for(lambda: gone(ends.marked_wait, tag, waiting.id), 5.0), (
         f"the waiting run's child was killed ({waiting.state}: {waiting.result!r}), yet the key "
         f"still names it: {ends.marked_wait.queued_task_id(tag)}"
     )

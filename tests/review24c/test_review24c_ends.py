@@ -18,7 +18,7 @@ from celery_redlock.lock import markers
 from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import CeleryWorker
 
-from ..appservers import app_env
+from ..appservers import app_env, marker_gone
 from .conftest import ROOT, Servers, Workers, wait_for
 
 
@@ -31,23 +31,6 @@ def _side_values(r24_servers: Servers, key: str) -> list[Any]:
         finally:
             client.close()
     return found
-
-
-def _marker_gone(r24_servers: Servers, redlock: Any, name: str, task: str, task_id: str) -> bool:
-    """Whether no master holds a value naming ``task_id`` (its message's marker, or its run's
-    lock) for ``name``, on the lock key or on ``task``'s side key: every master read with a plain
-    client, which answers or raises.
-
-    The event the next publish must come after. Not ``queued_task_id() is None``: that is one
-    round bounded by ``request_timeout``, and a quorum of masters answering late (a loaded host)
-    reads as "not queued" while the marker is still on all of them. Nor the task's REVOKED
-    state: Celery stores it when the worker receives the revoke, but a delayed message is
-    discarded, and its marker deleted, only when it comes due."""
-    keys = (lock_key(redlock.key_prefix, name), markers.side_key(redlock.key_prefix, name, task))
-    needle = f'"task":"{task_id}"'.encode()
-    return not any(
-        value is not None and needle in value for key in keys for value in _side_values(r24_servers, key)
-    )
 
 
 @pytest.mark.timeout(90)
@@ -74,7 +57,9 @@ def test_a_discarded_message_whose_marker_waits_beside_the_key_frees_it(
         # The lock key is the operator's throughout, so the marker was set beside it (the worker
         # may already have discarded the message: the side key is not read here, racing it).
         assert redlock.holder(name) == "operator maintenance"
-        assert wait_for(lambda: _marker_gone(r24_servers, redlock, name, "r24.marked", first.id), 20.0), (
+        assert wait_for(
+            lambda: marker_gone(r24_servers[1], redlock.key_prefix, name, "r24.marked", first.id), 20.0
+        ), (
             f"the message {first.id} was discarded ({how}), yet its marker beside the key still "
             f"names it: side key {_side_values(r24_servers, side)}; log: {worker.log_tail(1500)}"
         )
@@ -118,7 +103,10 @@ def test_a_marked_run_revoked_with_terminate_while_it_waits_frees_its_key(
     r24.app.control.revoke(waiting.id, terminate=True)  # in the other child: waiting for the lock
     assert wait_for(lambda: waiting.state == states.REVOKED, 20.0), (waiting.state, worker.log_tail(1500))
     redlock = app_settings_and_redlock(r24.app)[1]
-    gone = lambda: _marker_gone(r24_servers, redlock, f"r24:{tag}", "r24.marked_wait", waiting.id)  # noqa: E731
+
+    def gone() -> bool:
+        return marker_gone(r24_servers[1], redlock.key_prefix, f"r24:{tag}", "r24.marked_wait", waiting.id)
+
     assert wait_for(gone, 5.0), (
         f"revoked ({waiting.state}), yet the key still names it: {r24.marked_wait.queued_task_id(tag)}"
     )
@@ -200,7 +188,9 @@ def test_a_delayed_message_whose_marker_waits_beside_the_key_frees_it_when_it_ca
         # REVOKED is stored when the worker receives the revoke; the message is discarded (its
         # marker deleted) when it comes due, 3 s after its publish (later on a loaded host).
         side = markers.side_key(redlock.key_prefix, name, "r24.marked")
-        assert wait_for(lambda: _marker_gone(r24_servers, redlock, name, "r24.marked", first.id), 20.0), (
+        assert wait_for(
+            lambda: marker_gone(r24_servers[1], redlock.key_prefix, name, "r24.marked", first.id), 20.0
+        ), (
             f"the message {first.id} was discarded ({how}), yet its marker beside the key still "
             f"names it: side key {_side_values(r24_servers, side)}; log: {worker.log_tail(1500)}"
         )
