@@ -156,10 +156,13 @@ def test_a_holder_without_heartbeat_and_2_7_s_left_is_refused_until_its_validity
     assert time.monotonic() - started < 0.8  # nothing a 1 s watch could show: refused at once
     assert lock.owned() and held_by(masters, "nobeat") == (lock.token, 5)
 
-    # A watch long enough waits for its validity to run out: nothing of a live holder is deleted.
+    # A watch long enough waits for its validity to run out: a quorum of masters answers without
+    # the token. What is left on the others (keys outlive the validity by the drift allowance)
+    # holds nothing, and may be deleted: on fewer masters than a quorum, never on one more.
     released, alive = admin.release(rl, "nobeat", watch=10)
     assert alive is not None and alive.state == "expired", alive
-    assert not lock.owned() and released.deleted == 0
+    assert not lock.owned() and released.deleted <= len(masters) - rl.quorum, released
+    assert held_by(masters, "nobeat") == (None, 0)
     assert rl.lock("nobeat", ttl=5).acquire(blocking=False)
 
 

@@ -56,7 +56,7 @@ def golden_app(golden_broker: RedisServer, golden_masters: ServerSet) -> Iterato
 @pytest.fixture(scope="module")
 def golden_contender(golden_masters: ServerSet) -> Iterator[Redlock]:
     """The test process's own client of the masters, whose locks are the contenders."""
-    with Redlock(golden_masters.urls) as redlock:
+    with Redlock(golden_masters.urls, request_timeout=0.5) as redlock:  # as the app's (pathsapp)
         yield redlock
 
 
