@@ -177,6 +177,25 @@ class AlreadyQueued(RedlockError):
         return f"{of}{self.resource!r} is already queued or running as {who}; not published"
 
 
+class MastersUnavailable(RedlockError):
+    """A question about a resource that the masters' answers cannot settle: too few of them
+    answered to rule out what a quorum may hold (``is_queued``, ``queued_task_id``). Reading
+    "not queued" then would be a guess; ``masters`` names those that failed or did not answer."""
+
+    def __init__(self, resource: str, masters: list[str], question: str = "") -> None:
+        self.resource = resource
+        self.masters = masters
+        self.question = question
+        super().__init__(resource, masters, question)
+
+    def __str__(self) -> str:
+        what = f"{self.question} of {self.resource!r}" if self.question else repr(self.resource)
+        return (
+            f"cannot tell {what}: too few masters answered to rule out a quorum; not answering: "
+            + ", ".join(self.masters)
+        )
+
+
 class NotFenced(RedlockError):
     """``lock.fence`` was asked of a lock taken without ``fenced=True``."""
 

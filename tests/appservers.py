@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from celery_redlock import MastersUnavailable
 from celery_redlock.celery.settings import close_app_redlock
 from celery_redlock.lock import markers
 from celery_redlock.lock.resource import lock_key
@@ -53,6 +54,15 @@ def configured(app: Any, env: dict[str, str], prefix: str) -> Iterator[None]:
         close_app_redlock(app)
 
 
+def still_queued(task: Any, *args: Any) -> bool:
+    """``task.is_queued(*args)`` for a wait until a key is free: an answer the masters could not
+    settle (MastersUnavailable, masters late on a loaded host) is "not yet", never "free"."""
+    try:
+        return bool(task.is_queued(*args))
+    except MastersUnavailable:
+        return True
+
+
 def marker_gone(masters: Iterable[Any], prefix: str, name: str, task: str, task_id: str) -> bool:
     """Whether no master holds a value naming ``task_id`` (its message's marker, or its run's
     lock) for resource ``name``, on the lock key or on ``task``'s side key: every master read
@@ -60,7 +70,8 @@ def marker_gone(masters: Iterable[Any], prefix: str, name: str, task: str, task_
 
     The event a test's next publish must come after. Not ``queued_task_id() is None``: that is
     one round bounded by ``request_timeout``, and a quorum of masters answering late (a loaded
-    host) reads as "not queued" while the marker is still on all of them. Nor the message's
+    host) makes it raise MastersUnavailable, or read a marker kept on too few of them as "not
+    queued" while a late delete is still on its way to the others. Nor the message's
     REVOKED state: Celery stores it when the worker receives the revoke, but a delayed message
     is discarded, and its marker deleted, only when it comes due."""
     keys = (lock_key(prefix, name), markers.side_key(prefix, name, task))

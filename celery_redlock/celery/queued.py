@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from ..errors import MastersUnavailable
 from ..lock import markers
 from ..lock.holder import parse
 from ..lock.markers import HandoverLock, side_key
@@ -230,11 +231,17 @@ def existing_of(value: str) -> Existing:
 
 
 def _own_holder(
-    task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, pending: bool
+    task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any], *, pending: bool, question: str
 ) -> Existing | None:
     """The queued message or the run of this task that holds its key for these arguments: one
     round, both keys read (the lock key, and the task's side key). ``pending``: a marker whose
-    publish has not returned counts too (else it is passed over)."""
+    publish has not returned counts too (else it is passed over).
+
+    INVARIANT (an answer, never a guess): None only when the masters that answered rule out
+    every value of this task being on a quorum. Where the masters that did not answer could
+    complete one (what is seen of it, plus them, reaches a quorum), it raises
+    :class:`MastersUnavailable` naming them: "not queued" would make a caller publish again, or
+    conclude that its work was lost."""
     _, redlock = app_settings_and_redlock(task.app)
     name = task.lock_name(args, kwargs)
     keys = [lock_key(redlock.key_prefix, name), side_key(redlock.key_prefix, name, task.name)]
@@ -242,40 +249,59 @@ def _own_holder(
         replies = rnd.call_many(
             [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
         )
+    silent = [
+        redlock.masters[i].name
+        for i, mine in enumerate(replies)
+        if any(outcome.kind != "ok" for outcome in mine)
+    ]
+    undecided = False  # a value of this task's that the silent masters could make a quorum's
     for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
-        # A marker as placed and as kept (published) are one marker: counted together, and
-        # published once any master shows it so (keep() may have reached only some of them).
-        counts: dict[str, int] = {}
-        shown: dict[str, str] = {}  # per marker, the form to go by: published where seen so
-        for mine in replies:
-            if mine[j].kind == "ok" and isinstance(mine[j].value, bytes):
-                text = mine[j].value.decode("utf-8", "replace")
-                form = markers.published(text)
-                counts[form] = counts.get(form, 0) + 1
-                shown[form] = form if text == form else shown.get(form, text)
-        for form, count in counts.items():
-            record = parse(form.partition(HOLDER_SEPARATOR)[2])
-            if count >= redlock.quorum and record is not None and record.name == task.name:
-                holder = existing_of(shown[form])
-                if pending or not holder.pending:
-                    return holder
+        for holder, count in _this_tasks_values(task.name, [mine[j] for mine in replies]):
+            if not pending and holder.pending:
+                continue  # passed over, however many masters hold it
+            if count >= redlock.quorum:
+                return holder
+            undecided = undecided or count + len(silent) >= redlock.quorum
+    if undecided or len(silent) >= redlock.quorum:
+        raise MastersUnavailable(name, silent, question)
     return None
+
+
+def _this_tasks_values(task_name: str, outcomes: list[Any]) -> list[tuple[Existing, int]]:
+    """Each value of ``task_name``'s that the masters' ``outcomes`` (one key's GET on each) show,
+    with how many show it. A marker as placed and as kept (published) are one marker: counted
+    together, and published once any master shows it so (keep() may have reached only some)."""
+    counts: dict[str, int] = {}
+    shown: dict[str, str] = {}  # per marker, the form to go by: published where seen so
+    for outcome in outcomes:
+        if outcome.kind == "ok" and isinstance(outcome.value, bytes):
+            text = outcome.value.decode("utf-8", "replace")
+            form = markers.published(text)
+            counts[form] = counts.get(form, 0) + 1
+            shown[form] = form if text == form else shown.get(form, text)
+    found = []
+    for form, count in counts.items():
+        record = parse(form.partition(HOLDER_SEPARATOR)[2])
+        if record is not None and record.name == task_name:
+            found.append((existing_of(shown[form]), count))
+    return found
 
 
 def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     """The id of this task's message queued, or its run running, for these arguments' resource;
     None when neither (another task's or holder's lock is no answer). One round; nothing
-    published.
+    published. Raises :class:`MastersUnavailable` when too few masters answered to tell.
 
     INVARIANT (only a published message answers, as in _place_settled): while a publish has not
     returned, its id is handed to nobody (None): that publish may still fail, or its publisher
     die before the broker has the message, and no message would then carry the id."""
-    found = _own_holder(task, args, kwargs, pending=False)
+    found = _own_holder(task, args, kwargs, pending=False, question="which task is queued")
     return None if found is None else found.task_id
 
 
 def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
     """Whether a message of this task is queued, or being published, or its run running, for
     these arguments' resource: a publish now would not put another in the queue (it waits for
-    a publish under way to return, see _place_settled). One round; nothing published."""
-    return _own_holder(task, args, kwargs, pending=True) is not None
+    a publish under way to return, see _place_settled). One round; nothing published. Raises
+    :class:`MastersUnavailable` when too few masters answered to tell."""
+    return _own_holder(task, args, kwargs, pending=True, question="whether a task is queued") is not None

@@ -207,12 +207,14 @@ class RedlockTaskMixin:
 
     def is_queued(self, *args: Any, **kwargs: Any) -> bool:
         """Whether a task is queued (or being published) or running for the resource these
-        arguments name (one round to the masters; nothing is published)."""
+        arguments name (one round to the masters; nothing is published). Raises
+        :class:`~celery_redlock.MastersUnavailable` when too few masters answered to tell."""
         return enqueue.is_queued(self, args, kwargs)
 
     def queued_task_id(self, *args: Any, **kwargs: Any) -> str | None:
         """The id of the task queued or running for the resource these arguments name, or None
-        (also while its publish has not returned: no message may ever carry that id)."""
+        (also while its publish has not returned: no message may ever carry that id). Raises
+        :class:`~celery_redlock.MastersUnavailable` when too few masters answered to tell."""
         return enqueue.queued_task_id(self, args, kwargs)
 
     # -- the current execution's lock -------------------------------------------------------------

@@ -40,6 +40,7 @@ from celery_redlock.lock.holder import parse
 from celery_redlock.lock.markers import side_key
 from celery_redlock.lock.resource import HOLDER_SEPARATOR, lock_key
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+from tests.appservers import still_queued
 
 QUEUE = f"q-enqueue-progress-{RUN}"
 MARKER_TTL = 30.0  # enqueueapp's redlock_enqueue_ttl
@@ -190,7 +191,7 @@ def test_two_tasks_of_one_key_both_run_one_after_the_other(enq: Any, live: Celer
     assert intervals[0]["end"] <= intervals[1]["start"], "two runs of one lock key overlapped"
     assert all(r["owned"] for r in intervals)
     wait_until(
-        lambda: not enq.hold.is_queued(tag, 0.0, tag) and not enq.other.is_queued(tag, 0.0, tag),
+        lambda: not still_queued(enq.hold, tag, 0.0, tag) and not still_queued(enq.other, tag, 0.0, tag),
         5,
         "both tasks' keys to be freed",
     )
@@ -207,7 +208,7 @@ def test_a_run_that_gives_up_deletes_its_marker_beside_the_key(
     second = enq.skipper.delay(tag, 0.0, tag)  # beside hold's run; its run finds the key held
     assert second.id != first.id
     assert is_skipped(second.get(timeout=30))
-    wait_until(lambda: not enq.skipper.is_queued(tag, 0.0, tag), 5, "the skipped run's marker to go")
+    wait_until(lambda: not still_queued(enq.skipper, tag, 0.0, tag), 5, "the skipped run's marker to go")
     third = enq.skipper.delay(tag, 0.0, tag)  # "raise": AlreadyQueued(second) if it were left
     assert third.id not in (first.id, second.id)
     assert first.get(timeout=30) == tag
@@ -306,7 +307,7 @@ def test_a_publisher_killed_before_the_broker_publish_leaves_the_key_refused_for
         proc.stdout.close()
         proc.stderr.close()
     wait_until(
-        lambda: not enq.hold.is_queued(*args), PUBLISH_WINDOW + 5.0, "the dead publisher's marker to go"
+        lambda: not still_queued(enq.hold, *args), PUBLISH_WINDOW + 5.0, "the dead publisher's marker to go"
     )
     waited = time.monotonic() - killed
     print(f"publisher SIGKILLed before the broker publish: key free {waited:.2f} s later")
@@ -324,7 +325,7 @@ def test_a_publish_slower_than_the_window_is_published_unmarked_and_says_so(
     try:
         wait_until(lambda: (tmp_path / "ready").exists() or proc.poll() is not None, 30, "the marker")
         assert proc.poll() is None, proc.communicate()
-        wait_until(lambda: not enq.hold.is_queued(*args), PUBLISH_WINDOW + 5.0, "the marker to expire")
+        wait_until(lambda: not still_queued(enq.hold, *args), PUBLISH_WINDOW + 5.0, "the marker to expire")
         (tmp_path / "go").write_text("")  # the publish goes on, past its marker's window
         out, err = proc.communicate(timeout=30)
     finally:
@@ -495,7 +496,7 @@ def test_a_task_named_queued_does_not_leave_a_revoked_copys_marker(
     wait_until(lambda: len(runs(enq, tag)) == 2, 30, "the run to end")
     ended = time.monotonic()
     deadline = ended + 5.0  # the run lock's TTL (enqueueapp's redlock_ttl); the marker's is 30 s
-    while enq.queued_retry.is_queued(*args) and time.monotonic() < deadline:
+    while still_queued(enq.queued_retry, *args) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [r["event"] for r in runs(enq, tag)] == ["start", "end"], "the revoked copy ran"
     assert not enq.queued_retry.is_queued(*args), (

@@ -30,6 +30,7 @@ from celery_redlock import AlreadyQueued, ConfigError, LockNotAcquired, RedlockT
 from celery_redlock.celery.enqueue import MARKER_HEADER
 from celery_redlock.celery.settings import app_settings_and_redlock
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+from tests.appservers import still_queued
 
 QUEUE = f"q-enqueue-review-{RUN}"
 
@@ -88,7 +89,7 @@ def freed_within(task: Any, args: tuple[Any, ...], timeout: float) -> float | No
     started = time.monotonic()
     deadline = started + timeout
     while time.monotonic() < deadline:
-        if not task.is_queued(*args):
+        if not still_queued(task, *args):
             return time.monotonic() - started
         time.sleep(0.05)
     return None

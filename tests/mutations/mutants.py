@@ -576,13 +576,13 @@ MUTANTS: tuple[Mutant, ...] = (
             f"{ENQUEUE_LOST}::test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_"
             "still_runs",
         ),
-        (Edit(QUEUED, "                if pending or not holder.pending:\n", "                if True:\n"),),
+        (Edit(QUEUED, "            if not pending and holder.pending:\n", "            if False:\n"),),
     ),
     Mutant(
         "queued_forms_counted_apart",
         "a marker kept on only some masters is counted as two values, neither a quorum: not queued",
         (f"{ENQUEUE_LOST}::test_a_marker_kept_on_only_some_masters_is_still_one_queued_message",),
-        (Edit(QUEUED, "                form = markers.published(text)\n", "                form = text\n"),),
+        (Edit(QUEUED, "            form = markers.published(text)\n", "            form = text\n"),),
     ),
     Mutant(
         "enqueue_plain_lock_on_other_master_names",
@@ -929,6 +929,30 @@ MUTANTS: tuple[Mutant, ...] = (
                 "    _POOL = globals().get('_POOL') or ThreadPoolExecutor(4)\n"
                 "    return _POOL.submit(function, *args)\n"
                 "    future: Future[Any] = Future()\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "queued_guesses_when_silent",
+        "is_queued / queued_task_id read 'not queued' when too few masters answered to tell",
+        ("tests/celery/test_celery_queued_unanswered.py",),
+        (
+            Edit(
+                QUEUED,
+                "    if undecided or len(silent) >= redlock.quorum:\n",
+                "    if False:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "queued_raises_when_decided",
+        "is_queued raises for any silent master, though the answering ones decide it",
+        ("tests/celery/test_celery_queued_unanswered.py",),
+        (
+            Edit(
+                QUEUED,
+                "    if undecided or len(silent) >= redlock.quorum:\n",
+                "    if silent:\n",
             ),
         ),
     ),
