@@ -36,6 +36,7 @@ Knows nothing of Celery.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -48,6 +49,8 @@ from .holder import parse
 from .resource import HOLDER_SEPARATOR, Lock, lock_key
 from .tally import is_one
 from .transport.commands import Command, Outcome, script_template
+
+logger = logging.getLogger("celery_redlock.markers")
 
 if TYPE_CHECKING:
     from .fair import Entry
@@ -167,19 +170,40 @@ def keep(redlock: Redlock, key: str, value: str, ttl: float) -> tuple[bool, list
     return _requeue(redlock, key, value, published(value), ttl)
 
 
-def drop(redlock: Redlock, name: str, value: str, side: str | None = None) -> None:
+def drop(redlock: Redlock, name: str, value: str, side: str | None = None) -> list[str]:
     """Delete the marker ``value`` of resource ``name`` wherever it still is, on the lock key and
     on the owner's ``side`` key if given (compare-and-delete, one round, replies waited for, so
     the next publish of the resource does not find it): a key already handed over or expired is
-    left alone. Both forms of the marker (as placed, and :func:`published`)."""
+    left alone. Both forms of the marker (as placed, and :func:`published`).
+
+    INVARIANT (a dropped marker is gone, or said not to be): a marker left behind answers every
+    later publish of the resource with the id of a message that will never run, until its TTL
+    (an hour by default) runs out. The masters that did not confirm the delete are logged at
+    WARNING, naming them and the marker, and returned (empty: deleted, or absent, everywhere).
+    A slow master's delete is already on its link and takes effect when it answers; one that
+    could not be reached keeps the marker until its TTL."""
     key = lock_key(redlock.key_prefix, name)
     forms = dict.fromkeys((value, published(value)))
-    if side is None and len(forms) == 1:
-        redlock.release_key(key, value)
-        return
     batch = [PLAIN.release.pack(where, form) for where in (key, side) if where is not None for form in forms]
     with redlock._round() as rnd:
-        rnd.call_many([batch] * len(redlock.masters), redlock.request_timeout)
+        replies = rnd.call_many([batch] * len(redlock.masters), redlock.request_timeout)
+    names = [
+        master.name
+        for master, mine in zip(redlock.masters, replies, strict=True)
+        if any(outcome.kind != "ok" for outcome in mine)
+    ]
+    if names:
+        logger.warning(
+            "marker of %s (%s) not confirmed deleted by %d of %d masters: %s; while it is still "
+            "on a quorum, publishes of %s are deduplicated against a message that will not run",
+            name,
+            value.partition(HOLDER_SEPARATOR)[2] or value[:12],
+            len(names),
+            len(redlock.masters),
+            ", ".join(names),
+            name,
+        )
+    return names
 
 
 def hand_back(redlock: Redlock, key: str, token: str, value: str, ttl: float) -> bool:

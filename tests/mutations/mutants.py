@@ -956,4 +956,29 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "drop_keeps_quiet",
+        "a marker the masters did not confirm deleted is left behind without a word",
+        ("tests/core/test_marker_drop.py",),
+        (
+            Edit(
+                "celery_redlock/lock/markers.py",
+                "    if names:\n        logger.warning(",
+                "    if False:\n        logger.warning(",
+            ),
+        ),
+    ),
+    Mutant(
+        "drop_reaches_a_quorum_only",
+        "the marker is deleted on a quorum of masters and left on the others",
+        ("tests/core/test_marker_drop.py",),
+        (
+            Edit(
+                "celery_redlock/lock/markers.py",
+                "        replies = rnd.call_many([batch] * len(redlock.masters), redlock.request_timeout)\n",
+                "        replies = rnd.call_many([batch] * redlock.quorum"
+                " + [[]] * (len(redlock.masters) - redlock.quorum), redlock.request_timeout)\n",
+            ),
+        ),
+    ),
 )
