@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from celery.states import REVOKED
+
 from ..errors import MastersUnavailable
 from ..lock import markers
 from ..lock.holder import parse
@@ -287,6 +289,19 @@ def _this_tasks_values(task_name: str, outcomes: list[Any]) -> list[tuple[Existi
     return found
 
 
+def revoked(task: Any, marker: Existing) -> bool:
+    """Whether the message a marker names is stored as revoked: Celery stores REVOKED when a
+    worker receives the revoke of a message it has not started, and every worker that has the id
+    in its revoked set discards the message. One read of the result backend, on the duplicate
+    path only; False without a backend, or for a marker that names no task."""
+    if marker.task_id is None:
+        return False
+    try:
+        return bool(task.AsyncResult(marker.task_id).state == REVOKED)
+    except Exception:  # no result backend (DisabledBackend), or it failed: not known to be revoked
+        return False
+
+
 def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     """The id of this task's message queued, or its run running, for these arguments' resource;
     None when neither (another task's or holder's lock is no answer). One round; nothing
@@ -296,7 +311,9 @@ def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     returned, its id is handed to nobody (None): that publish may still fail, or its publisher
     die before the broker has the message, and no message would then carry the id."""
     found = _own_holder(task, args, kwargs, pending=False, question="which task is queued")
-    return None if found is None else found.task_id
+    if found is None or (found.queued and revoked(task, found)):
+        return None  # a revoked message will not run, though its marker waits for its eta
+    return found.task_id
 
 
 def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:

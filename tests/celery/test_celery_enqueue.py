@@ -246,6 +246,25 @@ def test_a_revoked_message_frees_its_marker(enq: Any, live: list[CeleryWorker], 
     assert [r["task_id"] for r in runs(enq, tag) if r["event"] == "interval"] == [again.id]
 
 
+@pytest.mark.timeout(60)
+def test_a_revoked_delayed_message_is_not_handed_out_before_it_comes_due(
+    enq: Any, live: list[CeleryWorker], tag: str
+) -> None:
+    """A worker discards a revoked delayed message, and its marker goes, only when it comes due
+    (here in 30 s). Meanwhile a call must not be handed the id of a message that will not run:
+    once REVOKED is stored, the next call is published, and it runs; the revoked one never."""
+    args = (tag, 0.05, tag)
+    revoked = enq.hold.apply_async(args, countdown=30.0)
+    assert enq.hold.queued_task_id(*args) == revoked.id
+    enq.app.control.revoke(revoked.id)
+    wait_until(lambda: revoked.state == "REVOKED", 20, "the revoke to be stored")
+    assert enq.hold.queued_task_id(*args) is None  # its marker is still there: not an answer
+    again = enq.hold.delay(*args)
+    assert again.id != revoked.id, "handed the id of a revoked message"
+    again.get(timeout=30)
+    assert [r["task_id"] for r in runs(enq, tag) if r["event"] == "interval"] == [again.id]
+
+
 # -- countdown, ETA, retries, canvas, eager, send_task ---------------------------------------
 
 

@@ -981,4 +981,20 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "revoked_marker_handed_out",
+        "a call is handed the id of a revoked delayed message until the message comes due",
+        (
+            "tests/celery/test_celery_enqueue.py::test_a_revoked_delayed_message_is_not_handed_out_before_it_comes_due",
+        ),
+        (Edit(ENQUEUE, "placed.queued and revoked(task, placed):", "placed.queued and False:"),),
+    ),
+    Mutant(
+        "revoked_marker_reported_queued",
+        "queued_task_id names a revoked delayed message until it comes due",
+        (
+            "tests/celery/test_celery_enqueue.py::test_a_revoked_delayed_message_is_not_handed_out_before_it_comes_due",
+        ),
+        (Edit(QUEUED, "(found.queued and revoked(task, found))", "(found.queued and False)"),),
+    ),
 )
