@@ -94,7 +94,7 @@ from . import hooks, signals
 from .held import Held
 from .hooks import PUBLISH_ID_HEADER
 from .queued import MARKER_HEADER as MARKER_HEADER
-from .queued import Existing, existing_of, masters_fingerprint, revoked
+from .queued import Existing, existing_of, masters_fingerprint
 from .queued import drop_abandoned_marker as drop_abandoned_marker
 from .queued import is_queued as is_queued
 from .queued import marker_ttl as marker_ttl
@@ -293,14 +293,6 @@ def _place_settled(
         return _wait_out(
             task, redlock, name, value, ttl, placed, FINISHING_WAIT, lambda found: found.value != held
         )
-    if isinstance(placed, Existing) and placed.queued and revoked(task, placed):
-        # INVARIANT (a marker lasts no longer than its message): a revoked message never runs,
-        # but a worker discards a delayed one (countdown, eta), and the task_revoked hook
-        # deletes its marker, only when it comes due. Until then every call would be handed the
-        # id of a message that will not run: its marker is deleted now, by value (a newer one
-        # is left alone), and this call places its own.
-        markers.drop(redlock, name, placed.value, side_key(redlock.key_prefix, name, task.name))
-        placed = _place(task, redlock, name, value, ttl)
     return placed
 
 

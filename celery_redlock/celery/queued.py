@@ -18,8 +18,6 @@ import time
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from celery.states import REVOKED
-
 from ..errors import MastersUnavailable
 from ..lock import markers
 from ..lock.holder import parse
@@ -251,22 +249,29 @@ def _own_holder(
         replies = rnd.call_many(
             [[("GET", key) for key in keys]] * len(redlock.masters), redlock.request_timeout
         )
-    silent = [
-        redlock.masters[i].name
-        for i, mine in enumerate(replies)
-        if any(outcome.kind != "ok" for outcome in mine)
-    ]
+    silent = _silent(redlock, replies)
     undecided = False  # a value of this task's that the silent masters could make a quorum's
     for j in (1, 0):  # a marker beside the key is this task's; the lock key's may be another's
         for holder, count in _this_tasks_values(task.name, [mine[j] for mine in replies]):
-            if not pending and holder.pending:
-                continue  # passed over, however many masters hold it
-            if count >= redlock.quorum:
+            counted = pending or not holder.pending  # else passed over, however many hold it
+            if count >= redlock.quorum and counted:
                 return holder
-            undecided = undecided or count + len(silent) >= redlock.quorum
+            # Could be a quorum's with the silent masters; and a marker seen only as placed may
+            # be published on one of them (then it is published: see _this_tasks_values).
+            if count + len(silent) >= redlock.quorum and (counted or silent):
+                undecided = True
     if undecided or len(silent) >= redlock.quorum:
         raise MastersUnavailable(name, silent, question)
     return None
+
+
+def _silent(redlock: Redlock, replies: list[list[Any]]) -> list[str]:
+    """The masters of which some reply of the round did not come back ``ok``."""
+    return [
+        master.name
+        for master, mine in zip(redlock.masters, replies, strict=True)
+        if any(outcome.kind != "ok" for outcome in mine)
+    ]
 
 
 def _this_tasks_values(task_name: str, outcomes: list[Any]) -> list[tuple[Existing, int]]:
@@ -289,19 +294,6 @@ def _this_tasks_values(task_name: str, outcomes: list[Any]) -> list[tuple[Existi
     return found
 
 
-def revoked(task: Any, marker: Existing) -> bool:
-    """Whether the message a marker names is stored as revoked: Celery stores REVOKED when a
-    worker receives the revoke of a message it has not started, and every worker that has the id
-    in its revoked set discards the message. One read of the result backend, on the duplicate
-    path only; False without a backend, or for a marker that names no task."""
-    if marker.task_id is None:
-        return False
-    try:
-        return bool(task.AsyncResult(marker.task_id).state == REVOKED)
-    except Exception:  # no result backend (DisabledBackend), or it failed: not known to be revoked
-        return False
-
-
 def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
     """The id of this task's message queued, or its run running, for these arguments' resource;
     None when neither (another task's or holder's lock is no answer). One round; nothing
@@ -311,9 +303,7 @@ def queued_task_id(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     returned, its id is handed to nobody (None): that publish may still fail, or its publisher
     die before the broker has the message, and no message would then carry the id."""
     found = _own_holder(task, args, kwargs, pending=False, question="which task is queued")
-    if found is None or (found.queued and revoked(task, found)):
-        return None  # a revoked message will not run, though its marker waits for its eta
-    return found.task_id
+    return None if found is None else found.task_id
 
 
 def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
