@@ -8,10 +8,6 @@ side key), so a marker already taken over by the run (the key then holds the run
 replaced is left alone. Besides the run's own exit paths and the ``task_revoked`` and
 ``lock_contended`` hooks (:mod:`.queued`), these:
 
-- :func:`watch_revokes` (``worker_init``): a revoke received for a message this worker holds
-  and has not started (above all a delayed one, countdown or eta, which the worker discards,
-  and ``task_revoked`` reports, only when it comes due): its marker is deleted as the revoke
-  arrives, not when the message comes due;
 - :func:`drop_discarded_marker` (``task_unknown``, ``task_rejected``): the consumer discards the
   message before any run (a task this worker does not register, as in a rolling deploy; a
   content type it does not accept; a malformed message);
@@ -29,7 +25,6 @@ configured) connects none of this: a marked message it discards keeps its marker
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import weakref
@@ -39,7 +34,7 @@ from typing import Any
 from .._fork import on_fork_in_child
 from ..lock import markers
 from ..lock.markers import side_key
-from .queued import marker_of, release_revoked_marker
+from .queued import marker_of
 from .runstate import run_of
 from .settings import app_settings_and_redlock
 
@@ -118,41 +113,3 @@ def _drop(app: Any, owner: Any, carried: tuple[str, str], task_id: Any, why: str
         logger.exception("deleting the marker of task %s (%s) failed", task_id or "?", why)
         return
     logger.info("task %s %s: its marker on %s deleted", task_id or "?", why, carried[0])
-
-
-def watch_revokes(**_: Any) -> None:
-    """``worker_init`` (the worker's main process, which receives remote-control commands):
-    wrap the worker's ``revoke`` command so that, once Celery has handled it, the markers of
-    the revoked messages this worker holds unstarted are deleted (:func:`drop_revoked_markers`).
-    Celery sends no signal when a revoke arrives, only ``task_revoked`` when the message is
-    discarded, which for a delayed message is when it comes due: until then every call of its
-    key was handed the id of a message that will not run. Idempotent."""
-    from celery.worker import control
-
-    original = control.Panel.data.get("revoke")
-    if original is None or getattr(original, "redlock_watched", False):
-        return
-
-    @functools.wraps(original)
-    def revoke(state: Any, task_id: Any, *args: Any, **kwargs: Any) -> Any:
-        reply = original(state, task_id, *args, **kwargs)
-        drop_revoked_markers(task_id)
-        return reply
-
-    revoke.redlock_watched = True  # type: ignore[attr-defined]
-    control.Panel.data["revoke"] = revoke
-
-
-def drop_revoked_markers(task_ids: Any) -> None:
-    """Delete the marker of each message of ``task_ids`` (one id, or several) that this worker
-    holds and has not started. A running one is left alone: its run took the key over and
-    releases it by its own exit path. A message no worker holds yet (still in the broker) keeps
-    its marker until a worker receives and discards it (``task_revoked``)."""
-    from celery.worker import state as worker_state
-
-    ids = [task_ids] if isinstance(task_ids, str) else list(task_ids or ())
-    for task_id in ids:
-        request = worker_state.requests.get(task_id)
-        if request is None or request in worker_state.active_requests or marker_of(request) is None:
-            continue
-        release_revoked_marker(sender=getattr(request, "task", None), request=request)

@@ -169,7 +169,6 @@ _HOOKS = (
     (celery_signals.worker_process_shutdown, release_at_shutdown),
     (celery_signals.worker_shutdown, release_at_shutdown),
     (celery_signals.worker_init, note_worker),
-    (celery_signals.worker_init, discarded.watch_revokes),
     (celery_signals.worker_init, start_metrics),
     (celery_signals.worker_shutdown, stop_metrics),
 )

@@ -247,35 +247,6 @@ def test_a_revoked_message_frees_its_marker(enq: Any, live: list[CeleryWorker], 
     assert [r["task_id"] for r in runs(enq, tag) if r["event"] == "interval"] == [again.id]
 
 
-@pytest.mark.timeout(60)
-def test_a_revoked_delayed_message_frees_its_key_when_the_revoke_arrives(
-    enq: Any, live: list[CeleryWorker], tag: str
-) -> None:
-    """A worker discards a revoked delayed message, and ``task_revoked`` fires, only when it
-    comes due (here in 30 s, past this test's bound). The worker that holds it deletes its
-    marker as the revoke arrives: the next call is published, and it runs; the revoked one
-    never."""
-    args = (tag, 0.05, tag)
-    revoked = enq.hold.apply_async(args, countdown=30.0)
-    assert enq.hold.queued_task_id(*args) == revoked.id
-    wait_until(lambda: _held_by_a_worker(enq, revoked.id), 20, "a worker to hold the delayed message")
-    enq.app.control.revoke(revoked.id)
-    waited = freed_within(enq, enq.hold, args, timeout=10.0)
-    print(f"revoke of a delayed message: marker deleted {waited:.3f} s after the revoke")
-    again = enq.hold.delay(*args)
-    assert again.id != revoked.id, "handed the id of a revoked message"
-    again.get(timeout=30)
-    assert [r["task_id"] for r in runs(enq, tag) if r["event"] == "interval"] == [again.id]
-
-
-def _held_by_a_worker(enq: Any, task_id: str) -> bool:
-    """Whether some worker reports the message as scheduled (received, waiting for its eta)."""
-    scheduled = enq.app.control.inspect(timeout=1.0).scheduled() or {}
-    return any(
-        entry.get("request", {}).get("id") == task_id for entries in scheduled.values() for entry in entries
-    )
-
-
 # -- countdown, ETA, retries, canvas, eager, send_task ---------------------------------------
 
 

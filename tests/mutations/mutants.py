@@ -982,21 +982,6 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
-        "revoked_marker_kept_until_due",
-        "a revoked delayed message's marker stays until the message comes due, and every call "
-        "meanwhile is handed its id",
-        (
-            "tests/celery/test_celery_enqueue.py::test_a_revoked_delayed_message_frees_its_key_when_the_revoke_arrives",
-        ),
-        (
-            Edit(
-                "celery_redlock/celery/discarded.py",
-                "        drop_revoked_markers(task_id)\n",
-                "        pass\n",
-            ),
-        ),
-    ),
-    Mutant(
         "queued_placed_form_passed_over_when_silent",
         "a marker seen only as placed is passed over though a silent master may hold it published: "
         "queued_task_id reads 'not queued'",

@@ -118,6 +118,8 @@ def test_after_a_revoked_marker_a_call_is_not_handed_a_publish_that_has_not_retu
             thread.join(30)
     finally:
         signals.before_task_publish.disconnect(hold)
+    assert not any(thread.is_alive() for thread in threads), "a call did not return within 30 s"
+    assert len(results) == len(threads), results
     published = set(in_publish)
     early = [
         (task_id, at - in_publish[task_id])
