@@ -183,6 +183,68 @@ def test_threads_are_granted_in_arrival_order_one_wake_each(
     assert wait_for(lambda: not any(keys_on(masters).values()), 5), keys_on(masters)
 
 
+class MinorityJoinFairLock(FairLock):
+    """A fair lock whose join reaches only a minority: after its probe (its first attempt, which
+    gives it a ticket) ``stopped`` masters are paused (SIGSTOP) for the join, its second attempt,
+    and continued once that has returned. An event, not a timing: the join is never acknowledged
+    by a quorum."""
+
+    def __init__(self, redlock: Redlock, name: str, ttl: float, stopped: list[object]) -> None:
+        super().__init__(redlock, name, ttl)
+        self.stopped = stopped
+        self.calls = 0
+
+    def _attempt(
+        self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
+    ) -> tuple[float, list[Vote], float]:
+        self.calls += 1
+        try:
+            return super()._attempt(token, waiting, expiry, entry)
+        finally:
+            if self.calls == 1:
+                for server in self.stopped:
+                    server.pause()  # type: ignore[attr-defined]
+            elif self.calls == 2:
+                for server in self.stopped:
+                    server.resume()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("wait", ["release", "poll"])
+def test_a_waiter_whose_join_a_majority_answered_late_takes_the_lock_soon_after_its_release(
+    masters: ServerSet, rl: Redlock, wait: str
+) -> None:
+    """A waiter's join that timed out on a majority (they were stopped; they run it when they
+    resume) leaves the waiter knowing its place on a minority only: too few of the masters it
+    listens to can wake it. It must still try again soon, not at its wait_poll (60 s here, past
+    this test): once the holder releases, it takes the lock within a few retry delays."""
+    holder = rl.lock("minority-join", ttl=60, fair=True)
+    assert take(holder)
+    stopped = list(masters)[:3]
+    got: list[float] = []
+    with Redlock(masters.urls, wait_poll=60, request_timeout=0.2, wait=wait) as own:
+        lock = MinorityJoinFairLock(own, "minority-join", 10, stopped)
+
+        def wait_for_it() -> None:
+            if lock.acquire(timeout=30):
+                got.append(time.monotonic())
+                lock.release()
+
+        thread = threading.Thread(target=wait_for_it, daemon=True)
+        thread.start()
+        try:
+            assert wait_for(lambda: lock.calls >= 2, 10), "the waiter never joined"
+            # Its join runs on the resumed masters too: queued on all five, as far as they know.
+            assert wait_for(lambda: queued(masters, "minority-join") == [1] * 5, 10)
+        finally:
+            for server in stopped:
+                server.resume()
+            released = time.monotonic()
+            holder.release()
+            thread.join(30)
+    assert got, "the waiter never took the lock after its release"
+    assert got[0] - released < 5.0, f"took the lock {got[0] - released:.1f} s after its release"
+
+
 def _process_waiter(urls: list[str], name: str, log: str, who: int) -> None:
     with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
         lock = own.lock(name, ttl=10, fair=True)

@@ -988,4 +988,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/review24d/test_review24d_unsettled.py",),
         (Edit(QUEUED, "and (counted or silent):", "and counted:"),),
     ),
+    Mutant(
+        "deaf_waiter_sleeps_its_whole_poll",
+        "a waiter too few of whose refusers can wake it (a join a minority acknowledged) sleeps its "
+        "whole wait_poll",
+        (
+            "tests/core/test_fair.py::test_a_waiter_whose_join_a_majority_answered_late_takes_the_lock_soon_after_its_release",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/rooms.py",
+                "    deaf_until = t + random.uniform(0, settings.retry_delay)\n",
+                "    deaf_until = until\n",
+            ),
+        ),
+    ),
 )
