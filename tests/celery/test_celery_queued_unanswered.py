@@ -30,7 +30,7 @@ from celery_redlock.testing import RedisServer, ServerSet
 
 MASTERS = 5
 QUORUM = MASTERS // 2 + 1
-REQUEST_TIMEOUT = 0.05
+REQUEST_TIMEOUT = 0.3  # a stopped master costs a read this much
 
 
 @pytest.fixture(scope="module")
@@ -97,14 +97,18 @@ def test_the_answer_is_the_truth_or_names_the_silent_masters(
     finally:
         for i in silent:
             masters[i].resume()
-    assert took < 1.0, f"a round with stopped masters took {took:.2f} s"
+    assert took < REQUEST_TIMEOUT + 1.0, f"a round with stopped masters took {took:.2f} s"
     seen = len(held - silent)
     undecidable = seen < QUORUM and seen + len(silent) >= QUORUM
     if raised is not None:
-        assert undecidable, f"raised though the answering masters decide it: {raised}"
-        assert len(raised.masters) == len(silent), raised
-        for i in silent:
-            assert f":{masters[i].port}" in str(raised), raised
+        # A loaded host may make a running master late too: what it reports as silent includes
+        # the stopped ones, and its decision must be right for what it reports.
+        reported = {name.rsplit(":", 1)[-1] for name in raised.masters}
+        assert {str(masters[i].port) for i in silent} <= reported, raised
+        seen_answering = len([i for i in held if str(masters[i].port) not in reported])
+        assert seen_answering < QUORUM and seen_answering + len(reported) >= QUORUM, (
+            f"raised though the answering masters decide it: {raised}"
+        )
         assert f"q:{n}" in str(raised)
         return
     assert not undecidable, f"answered {answer!r} with held={held} silent={silent}: a guess"
