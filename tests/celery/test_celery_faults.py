@@ -164,7 +164,10 @@ def test_startup_checks_warn_about_weakened_locks() -> None:
     def job(n: int) -> int:
         return n
 
-    assert check_app(quiet) == []
+    # Celery registers every shared task (shared=True, the default) with every app: a test app
+    # imported earlier in this process adds its own, and what they say is theirs, not quiet's.
+    others = ("task 'quiet.", "task ")
+    assert [p for p in check_app(quiet) if p.startswith(others[0]) or not p.startswith(others[1])] == []
 
 
 @pytest.mark.parametrize(
