@@ -12,10 +12,9 @@ import json
 import math
 import os
 import socket
-import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from celery_redlock import Redlock
 from celery_redlock.beat import read_leader
 from celery_redlock.testing import RedisServer, ServerSet
 from celery_redlock.testing.celery import CeleryBeat, CeleryWorker
+from tests.waiting import wait_until as wait_until  # the beat tests import it from here
 
 from .django_settings import PG_HOST, PG_PORT, PG_USER, settings_for
 
@@ -45,17 +45,6 @@ def slot_of(t: float, period: float = 1.0) -> int:
     whole period of scheduling delay on a loaded machine.
     """
     return math.floor(t / period)
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(POLL)
 
 
 @pytest.fixture(scope="session")

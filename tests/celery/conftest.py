@@ -19,6 +19,7 @@ import redis
 from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
 from celery_redlock.testing.celery import stop_all
 from tests.waiting import wait_for as wait_for  # the Celery tests import it from here
+from tests.waiting import wait_until as wait_until  # the Celery tests import it from here
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -139,20 +140,6 @@ def celery_cli(app: str, env: dict[str, str], *args: str, timeout: float) -> sub
 def holds(intervals: list[dict[str, Any]]) -> list[Hold]:
     """Recorded intervals as windows for the overlap check; each carries its record back."""
     return [Hold(i["key"], i["start"], i["end"], owner=i["task_id"], info=i) for i in intervals]
-
-
-def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it returns something true, or fail naming ``what``."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def contend_while_running(

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from celery_redlock import Redlock
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
 from celery_redlock.testing.servers import free_port
+from tests.waiting import wait_until
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -87,17 +88,6 @@ def cli(
 ) -> subprocess.CompletedProcess[str]:
     """``celery -A opsapp redlock <args>``, as an operator runs it."""
     return celery_cli("opsapp", ops_env(broker, masters), *args, timeout=timeout)
-
-
-def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
 
 
 def started_runs(broker: RedisServer, name: str, count: int) -> list[dict[str, Any]]:

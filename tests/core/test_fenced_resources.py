@@ -39,20 +39,13 @@ from celery_redlock import ConfigError, Redlock, StaleFence
 from celery_redlock.fenced import FencedKey, FencedRows
 from celery_redlock.lock import scripts
 from celery_redlock.testing import RedisServer, ServerSet
+from tests.waiting import wait_until
 
 from .conftest import take
 
 pytestmark = pytest.mark.timeout(60)
 
 PG_DSN = "host=127.0.0.1 port=5432 user=postgres connect_timeout=3"
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {what} within {timeout}s")
-        time.sleep(0.01)
 
 
 class Outcome:

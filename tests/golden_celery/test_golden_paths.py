@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from celery import chain
 
 from celery_redlock import Lock, Redlock, is_skipped
 from celery_redlock.testing import RedisServer, ServerSet
+from tests import waiting
 
 from .conftest import WORKER_POOLS, records_url
 
@@ -183,15 +183,8 @@ class Case:
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = DEADLINE) -> Any:
-    """Poll ``predicate`` until it returns something true, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
+    """The suite's one polling helper, with the matrix's deadline as the default."""
+    return waiting.wait_until(predicate, timeout, what, every=0.01)
 
 
 # -- the paths ----------------------------------------------------------------------------------------

@@ -7,30 +7,19 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from celery import chain, chord, group
 from celery.canvas import Signature
 
 from celery_redlock.celery.task import is_skipped
+from tests.waiting import wait_until as wait_until  # the progress tests import it from here
 
 from . import progressapp
 from .checker import Published, Report, Result, check, holder_task_id
 
 POLL = 0.02
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    """Poll ``predicate`` until it returns something true; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(POLL)
 
 
 class Workload:

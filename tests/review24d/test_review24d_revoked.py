@@ -22,15 +22,9 @@ import pytest
 from celery import signals
 
 from celery_redlock.testing import CeleryWorker
+from tests.waiting import wait_until
 
 from .conftest import World
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _revoked_delayed(r24d: Any, tag: str) -> Any:
@@ -40,7 +34,7 @@ def _revoked_delayed(r24d: Any, tag: str) -> Any:
     first = r24d.marked.apply_async((tag,), countdown=300, queue=queue)
     assert r24d.marked.queued_task_id(tag) == first.id
     r24d.app.control.revoke(first.id)
-    _wait(lambda: first.state == "REVOKED", 20, "the worker to store REVOKED")
+    wait_until(lambda: first.state == "REVOKED", 20, "the worker to store REVOKED")
     return first
 
 
@@ -143,7 +137,7 @@ def test_a_revoked_state_older_than_the_marker_does_not_undo_the_deduplication(
     messages for one key, both run."""
     reused = f"r24d-reused-{tag}"
     r24d.app.control.revoke(reused)  # the id's earlier message, revoked long ago
-    _wait(lambda: r24d.app.AsyncResult(reused).state == "REVOKED", 20, "REVOKED to be stored")
+    wait_until(lambda: r24d.app.AsyncResult(reused).state == "REVOKED", 20, "REVOKED to be stored")
     queue = f"r24d-run-{tag}"
     worker = CeleryWorker(
         "tests.review24d.app",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -22,15 +21,9 @@ from typing import Any
 import pytest
 
 from celery_redlock.testing import CeleryWorker
+from tests.waiting import wait_until
 
 from .conftest import ROOT, World
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -73,7 +66,7 @@ def test_a_revoke_racing_the_pool_hand_off_leaves_one_message_and_one_run(
         first = r27.waiting.apply_async((tag,), queue=queue)
         # The main process reserved it and (a pool slot free) handed it to the pool in the same
         # call; the stopped child has not read it, so no ACK: reserved, not active.
-        _wait(lambda: _reserved_not_active(r27, first.id), 20, "the worker to hand the job to the pool")
+        wait_until(lambda: _reserved_not_active(r27, first.id), 20, "the worker to hand the job to the pool")
         replies = r27.app.control.revoke(first.id, reply=True, timeout=5.0, limit=1)
         assert replies, "the worker did not answer the revoke"
         # The worker has handled the revoke (it replied).
@@ -82,7 +75,7 @@ def test_a_revoke_racing_the_pool_hand_off_leaves_one_message_and_one_run(
         for child in children:
             os.kill(child, signal.SIGCONT)
     expected = 1 if again.id == first.id else 2
-    _wait(lambda: runs.llen(f"r27:runs:{tag}") >= expected, 40, f"{expected} run(s)")
+    wait_until(lambda: runs.llen(f"r27:runs:{tag}") >= expected, 40, f"{expected} run(s)")
     ran = [raw if isinstance(raw, str) else raw.decode() for raw in runs.lrange(f"r27:runs:{tag}", 0, -1)]
     assert again.id == first.id, (
         "the marker of a message already handed to the pool (not yet in active_requests) was "
