@@ -108,10 +108,13 @@ logger = logging.getLogger("celery_redlock.enqueue")
 
 # Options that make a call part of a canvas: a caller already holds its pre-assigned result id.
 CANVAS_OPTIONS = ("chain", "link", "link_error", "chord", "group_id", "parent_id", "root_id")
-# A publish whose marker no quorum granted and whose holder no quorum agrees on (two publishers
-# splitting the vote, a master down) tries again after a short random delay, this many times.
+# A publish whose marker no quorum granted and whose holder no quorum agrees on tries again
+# after a short random delay, growing with each try up to PLACE_DELAY_STEPS of PLACE_RETRY_DELAY.
+# Masters not answering: PLACE_ATTEMPTS tries in all. A vote split between publishers (a quorum
+# answered, none agreeing): on, for up to PUBLISH_WINDOW, since one of them will win it.
 PLACE_ATTEMPTS = 8
 PLACE_RETRY_DELAY = 0.02
+PLACE_DELAY_STEPS = 10
 # How long a publish waits for the key of a run whose result is already stored (see _after_finish).
 FINISHING_WAIT = 1.0
 # How long a marker lasts until the broker has its message (then: lock_enqueue_ttl). Long enough
@@ -355,10 +358,14 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
     """The placed marker: on the lock key of ``name`` when it is free, else beside it, on the
     task's own side key, when another holds it. Or what holds it for this very task: its queued
     message's marker or its run. Raises :class:`LockNotAcquired` when neither is known after
-    ``PLACE_ATTEMPTS`` tries (the masters split between publishers, or not answering)."""
+    ``PLACE_ATTEMPTS`` tries with masters not answering, or a vote split between publishers for
+    ``PUBLISH_WINDOW``."""
     side = side_key(redlock.key_prefix, name, task.name)
     holder = value.partition(HOLDER_SEPARATOR)[2]
-    for attempt in range(1, PLACE_ATTEMPTS + 1):
+    deadline = time.monotonic() + PUBLISH_WINDOW
+    attempt = 0
+    while True:
+        attempt += 1
         # INVARIANT (an attempt's retraction never deletes a later attempt's grant): each attempt
         # writes a value of its own, as a Lock takes a new token per attempt. A failed attempt is
         # retracted by value, and that delete may reach a master late (kept for a master with
@@ -378,13 +385,28 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
             return placed
         if placed.beside is not None:
             return existing_of(placed.beside)
-        if attempt < PLACE_ATTEMPTS:
-            # Split between two publishers (each retracted its part), freed or taken meanwhile,
-            # or a master that did not answer: a short, growing random delay, then one more try.
-            time.sleep(random.uniform(0, PLACE_RETRY_DELAY * attempt))
-    raise LockNotAcquired(
-        name, placed.votes, attempts=PLACE_ATTEMPTS, elapsed=placed.elapsed, quorum=redlock.quorum
-    )
+        if not _place_again(redlock, placed, attempt, deadline):
+            raise LockNotAcquired(
+                name, placed.votes, attempts=attempt, elapsed=placed.elapsed, quorum=redlock.quorum
+            )
+        # Split between publishers (each retracted its part), freed or taken meanwhile, or a
+        # master that did not answer: a short random delay, growing with each try.
+        time.sleep(random.uniform(0, PLACE_RETRY_DELAY * min(attempt, PLACE_DELAY_STEPS)))
+
+
+def _place_again(redlock: Redlock, placed: markers.Placed, attempt: int, deadline: float) -> bool:
+    """Whether a publish refused by ``placed`` (no quorum for anything) tries once more.
+
+    INVARIANT (a burst is not refused for its own contention): a round that a quorum answered
+    without agreeing on a holder is a vote split between publishers of the key, each of which
+    retracts its part and tries again after a random delay: one of them wins a round, and the
+    others then find its marker. Such a publish goes on until ``deadline`` (the publish window),
+    so that eight publishers of one key do not each give up after eight splits. Masters that did
+    not answer are another matter: a few tries, then the caller is told, naming them."""
+    if attempt < PLACE_ATTEMPTS:
+        return True
+    answered = len(placed.votes) - len(name_masters(placed.votes, UNANSWERED))
+    return answered >= redlock.quorum and time.monotonic() < deadline
 
 
 def _finished(task: Any, run: Existing) -> bool:

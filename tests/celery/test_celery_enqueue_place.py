@@ -26,6 +26,7 @@ from celery_redlock.errors import LockNotAcquired
 from celery_redlock.lock import markers
 from celery_redlock.lock.holder import HolderRecord
 from celery_redlock.lock.redlock import Redlock
+from celery_redlock.lock.state import lock_key
 from celery_redlock.testing import ServerSet
 
 SECONDS = float(os.environ.get("PLACE_SECONDS", "8"))
@@ -85,3 +86,47 @@ def test_no_key_is_placed_twice_while_its_marker_lives_under_stalling_masters() 
     twice = {name: who for name, who in placed.items() if len(who) > 1}
     assert counts["placed"] and counts["duplicate"], dict(counts)  # the run contended at all
     assert not twice, f"placed twice: {dict(list(twice.items())[:3])} of {len(placed)} keys; {dict(counts)}"
+
+
+def _marker(task: types.SimpleNamespace, who: str) -> str:
+    record = HolderRecord(name=task.name, host="h", pid=1, ttl=30.0, queued=True)
+    return markers.new_value(record.to_text(task=who, since=time.time(), publish="p"))
+
+
+@pytest.mark.timeout(60)
+def test_a_vote_split_by_two_dead_publishers_is_waited_out_not_refused() -> None:
+    """Progress: two publishers of one key were killed in the middle of a split (each holds the
+    marker on two of five masters, for the publish window, and will never retract it). Nobody
+    holds the key, and every master answers: a new publish of it tries on until their parts
+    expire and is then placed, rather than refused after a handful of tries."""
+    task = types.SimpleNamespace(name="split-test")
+    split_for = 1.5  # the dead publishers' parts expire well inside the publish window
+    with ServerSet(5) as servers, Redlock(servers.urls, request_timeout=1.0) as rl:
+        key = lock_key(rl.key_prefix, "split")
+        for server, who in zip(list(servers)[:4], ["dead-a", "dead-a", "dead-b", "dead-b"], strict=True):
+            assert server.client().set(key, _marker(task, who), px=int(split_for * 1000))
+        mine = _marker(task, "new")
+        start = time.monotonic()
+        got = enqueue._place(task, rl, "split", mine, 30.0)
+        waited = time.monotonic() - start
+        assert isinstance(got, markers.Placed) and got.value is not None, got
+        assert split_for * 0.9 <= waited < enqueue.PUBLISH_WINDOW, waited
+        values = [server.client().get(key) for server in servers]
+        assert sum(v == got.value.encode() for v in values) >= rl.quorum, values
+
+
+@pytest.mark.timeout(60)
+def test_a_split_that_outlives_the_publish_window_is_refused_naming_every_vote() -> None:
+    """Bounded: a split that does not resolve within the publish window is refused, with each
+    master's vote, once the window is over (not for ever, not at once)."""
+    task = types.SimpleNamespace(name="split-test")
+    with ServerSet(5) as servers, Redlock(servers.urls, request_timeout=1.0) as rl:
+        key = lock_key(rl.key_prefix, "stuck")
+        for server, who in zip(list(servers)[:4], ["dead-a", "dead-a", "dead-b", "dead-b"], strict=True):
+            assert server.client().set(key, _marker(task, who), px=60_000)
+        start = time.monotonic()
+        with pytest.raises(LockNotAcquired) as refused:
+            enqueue._place(task, rl, "stuck", _marker(task, "new"), 30.0)
+        waited = time.monotonic() - start
+        assert enqueue.PUBLISH_WINDOW <= waited < enqueue.PUBLISH_WINDOW + 2.0, waited
+        assert len(refused.value.votes) == 5 and refused.value.attempts > enqueue.PLACE_ATTEMPTS

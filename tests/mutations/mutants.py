@@ -1003,4 +1003,33 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "split_vote_refused_after_a_few_tries",
+        "a vote split between publishers is refused after PLACE_ATTEMPTS tries like an unanswered "
+        "round: a burst's publish raises LockNotAcquired though nobody holds the key",
+        (
+            "tests/celery/test_celery_enqueue_place.py::test_a_vote_split_by_two_dead_publishers_is_waited_out_not_refused",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/enqueue.py",
+                "    return answered >= redlock.quorum and time.monotonic() < deadline\n",
+                "    return False\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "split_vote_tried_for_ever",
+        "a split vote is tried again with no deadline: a split that never resolves hangs the publish",
+        (
+            "tests/celery/test_celery_enqueue_place.py::test_a_split_that_outlives_the_publish_window_is_refused_naming_every_vote",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/enqueue.py",
+                "    return answered >= redlock.quorum and time.monotonic() < deadline\n",
+                "    return answered >= redlock.quorum\n",
+            ),
+        ),
+    ),
 )
