@@ -22,6 +22,7 @@ from celery_redlock.lock.holder import HolderRecord, process_identity
 from celery_redlock.testing import ServerSet
 from celery_redlock.testing.servers import free_port
 
+from ..core.conftest import take, take_everywhere
 from .conftest import standalone
 
 
@@ -40,7 +41,7 @@ def record(ttl: float, **fields: object) -> str:
 def test_show_and_ls_as_text_and_json_with_their_exit_statuses(urls: str, rl: Redlock) -> None:
     resource = name()
     lock = rl.lock(resource, ttl=30, holder=record(30))
-    assert lock.acquire(blocking=False)
+    take_everywhere(lock)  # "3 of 3 masters", one token everywhere
     try:
         shown = standalone("show", resource, "--masters", urls)
         assert shown.returncode == 0, shown.stderr
@@ -71,7 +72,7 @@ def test_show_marks_the_locks_token_only_when_masters_disagree_and_explains_the_
 ) -> None:
     resource = name()
     lock = rl.lock(resource, ttl=30)
-    assert lock.acquire(blocking=False)
+    take_everywhere(lock)  # still held on the two others once master 0's key is overwritten
     client = masters[0].client()
     try:
         client.set(f"redlock:{resource}", "f" * 40 + "|a leftover", px=30000)
@@ -89,7 +90,7 @@ def test_show_marks_the_locks_token_only_when_masters_disagree_and_explains_the_
 def test_ls_says_plainly_that_it_stopped_at_the_limit(urls: str, rl: Redlock) -> None:
     prefix = name()
     locks = [rl.lock(f"{prefix}-{i}", ttl=30) for i in range(4)]
-    assert all(lock.acquire(blocking=False) for lock in locks)
+    assert all(take(lock) for lock in locks)
     try:
         listed = standalone("ls", f"{prefix}-*", "--limit", "2", "--masters", urls)
         assert listed.returncode == 1, listed.stdout + listed.stderr
@@ -105,7 +106,7 @@ def test_ls_says_plainly_that_it_stopped_at_the_limit(urls: str, rl: Redlock) ->
 def test_the_environment_names_the_masters_and_the_option_wins(urls: str, rl: Redlock) -> None:
     resource = name()
     lock = rl.lock(resource, ttl=30)
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     try:
         from_env = standalone("show", resource, env={"CELERY_REDLOCK_MASTERS": urls})
         assert from_env.returncode == 0, from_env.stderr
@@ -195,7 +196,7 @@ def test_release_never_breaks_a_live_holder(urls: str, rl: Redlock) -> None:
     resource = name()
     heartbeat = Heartbeat("test-cli-heartbeat")
     lock = rl.lock(resource, ttl=1.5, holder=record(1.5, host=socket.gethostname(), pid=1, heartbeat=0.5))
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     heartbeat.keep(lock)  # extended every 0.5 s
     try:
         refused = standalone("release", resource, "--masters", urls, "--yes", "--watch", "5")
@@ -220,7 +221,7 @@ def test_a_dead_holder_is_released_and_the_next_acquire_gets_in(urls: str, rl: R
     dead.kill()
     dead.wait(10)
     holder = record(60, host=socket.gethostname(), pid=dead.pid, proc=identity)
-    assert rl.lock(resource, ttl=60, holder=holder).acquire(blocking=False)
+    assert take(rl.lock(resource, ttl=60, holder=holder))
     # What the masters hold, read off each server: on a loaded host the acquire may have
     # retracted a master whose reply came late, and the release deletes what is there.
     key = rl.key_prefix + resource
@@ -233,7 +234,7 @@ def test_a_dead_holder_is_released_and_the_next_acquire_gets_in(urls: str, rl: R
     assert "(celery-redlock release)" in doc["by"]
     assert "WARNING celery_redlock.admin: force-released" in ran.stderr  # the audit line
     again = rl.lock(resource, ttl=5)
-    assert again.acquire(blocking=False)
+    assert take(again)
     again.release()
 
 
@@ -244,7 +245,7 @@ def test_a_queued_marker_is_shown_as_such_and_refused_without_force(urls: str, r
         task="5e1d0000-0000-4000-8000-00000000beef", name="billing.refund", host="web-1", pid=812,
         since=time.time(), ttl=60, queued=True, published=True,
     ).to_text()  # fmt: skip
-    assert rl.lock(resource, ttl=60, holder=marker).acquire(blocking=False)
+    assert take(rl.lock(resource, ttl=60, holder=marker))
     listed = standalone("ls", resource, "--masters", urls)
     (row,) = [line for line in listed.stdout.splitlines() if line.startswith(resource)]
     assert "queued: task billing.refund 5e1d" in row
@@ -266,7 +267,7 @@ def test_a_queued_marker_is_shown_as_such_and_refused_without_force(urls: str, r
 def test_force_warns_first_as_part_of_the_prompt_and_a_no_releases_nothing(urls: str, rl: Redlock) -> None:
     resource = name()
     lock = rl.lock(resource, ttl=30, holder="a cron script")
-    assert lock.acquire(blocking=False)
+    assert take(lock)
     declined = standalone("release", resource, "--masters", urls, "--force", input="n\n")
     assert declined.returncode == 1 and "not released: not confirmed" in declined.stderr
     assert lock.owned() and lock.extend()

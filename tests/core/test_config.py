@@ -121,13 +121,15 @@ def test_password_acl_user_and_unix_socket() -> None:
                 f"redis://locker:pw@{with_acl.address}/0",
                 f"unix://{sock}?db=0",
             ]
-            with Redlock(urls) as rl:
+            # Not a timed test: a loaded host's connect and AUTH may outlast the default 0.1 s,
+            # and each master's vote is the subject.
+            with Redlock(urls, request_timeout=2.0) as rl:
                 lock = rl.lock("auth", ttl=5)
                 assert take(lock), lock.last_error
                 assert [v.kind for v in lock.last_votes] == ["yes", "yes", "yes"]
                 assert str(sock) in {m.name for m in rl.masters}
                 lock.release()
-            with Redlock([f"redis://:wrong@{with_password.address}/0"]) as bad:
+            with Redlock([f"redis://:wrong@{with_password.address}/0"], request_timeout=2.0) as bad:
                 lock = bad.lock("auth", ttl=5)
                 assert not lock.acquire(blocking=False)
                 vote = lock.last_error.votes[0]  # type: ignore[union-attr]

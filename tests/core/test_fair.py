@@ -21,6 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -245,9 +246,33 @@ def test_a_waiter_whose_join_a_majority_answered_late_takes_the_lock_soon_after_
     assert got[0] - released < 5.0, f"took the lock {got[0] - released:.1f} s after its release"
 
 
-def _process_waiter(urls: list[str], name: str, log: str, who: int) -> None:
-    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
+# The waiter processes are spawned, not forked: a child forked from this test process (an xdist
+# worker with threads of its own, the reference transport's lanes, earlier tests' threads)
+# inherits any lock one of those threads held at the fork, a stream's included, and hangs on it.
+# Each is started and has imported what it needs before it is told to go (a spawned child takes a
+# while to come up, longer on a loaded host): it joins the queue when the test means it to. What
+# is checked is fair order across processes; the library's fork handling is test_fork.py's.
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def _spawn(
+    target: Callable[..., None], *args: object
+) -> tuple[multiprocessing.process.BaseProcess, Any, Any]:
+    """``target(*args, ready, go)`` in a spawned process, and its two events: it sets ``ready``
+    once it is up, and goes on when ``go`` is set."""
+    ready, go = SPAWN.Event(), SPAWN.Event()
+    child = SPAWN.Process(target=target, args=(*args, ready, go), daemon=True)
+    child.start()
+    return child, ready, go
+
+
+def _process_waiter(
+    urls: list[str], name: str, log: str, who: int, transport: str, ready: Any, go: Any
+) -> None:
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2, transport=transport) as own:
         lock = own.lock(name, ttl=10, fair=True)
+        ready.set()
+        go.wait(60)
         if lock.acquire(timeout=30):
             with open(log, "a") as out:
                 out.write(f"{who}\n")
@@ -255,16 +280,17 @@ def _process_waiter(urls: list[str], name: str, log: str, who: int) -> None:
             lock.release()
 
 
-def test_processes_are_granted_in_arrival_order(masters: ServerSet, rl: Redlock, tmp_path: object) -> None:
+def test_processes_are_granted_in_arrival_order(
+    masters: ServerSet, rl: Redlock, tmp_path: object, transport: str
+) -> None:
     log = os.path.join(str(tmp_path), "grants")
+    started = [_spawn(_process_waiter, masters.urls, "procs", log, i, transport) for i in range(5)]
+    children = [child for child, _, _ in started]
+    assert all(ready.wait(60) for _, ready, _ in started), "a waiter process never came up"
     holder = rl.lock("procs", ttl=10, fair=True)
     assert take(holder)
-    context = multiprocessing.get_context("fork")
-    children = []
-    for i in range(5):
-        child = context.Process(target=_process_waiter, args=(masters.urls, "procs", log, i))
-        child.start()
-        children.append(child)
+    for i, (_, _, go) in enumerate(started):
+        go.set()
         await_queued(masters, "procs", i + 1)
     holder.release()
     for child in children:
@@ -274,25 +300,24 @@ def test_processes_are_granted_in_arrival_order(masters: ServerSet, rl: Redlock,
         assert [int(line) for line in grants] == list(range(5))
 
 
-def _park(urls: list[str], name: str) -> None:
+def _park(urls: list[str], name: str, transport: str, ready: Any, go: Any) -> None:
     """A waiter that queues and then waits until it is killed."""
-    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
-        own.lock(name, ttl=10, fair=True).acquire(timeout=60)
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2, transport=transport) as own:
+        lock = own.lock(name, ttl=10, fair=True)
+        ready.set()
+        go.wait(60)
+        lock.acquire(timeout=60)
 
 
-def _queue_child(
-    masters: ServerSet, name: str, n: int, target: Callable[..., None] = _park
-) -> multiprocessing.process.BaseProcess:
-    child = multiprocessing.get_context("fork").Process(target=target, args=(masters.urls, name), daemon=True)
-    child.start()
-    await_queued(masters, name, n)
-    return child
-
-
-def test_a_dead_head_holds_the_queue_up_at_most_its_entry_ttl(masters: ServerSet, rl: Redlock) -> None:
+def test_a_dead_head_holds_the_queue_up_at_most_its_entry_ttl(
+    masters: ServerSet, rl: Redlock, transport: str
+) -> None:
+    head, ready, go = _spawn(_park, masters.urls, "dead", transport)
+    assert ready.wait(60), "the waiter process never came up"
     holder = rl.lock("dead", ttl=10, fair=True)
     assert take(holder)
-    head = _queue_child(masters, "dead", 1)
+    go.set()
+    await_queued(masters, "dead", 1)
     holds = Holds()
     behind = start_waiter(masters.urls, "dead", holds, "behind")
     await_queued(masters, "dead", 2)
@@ -310,9 +335,11 @@ def test_a_dead_head_holds_the_queue_up_at_most_its_entry_ttl(masters: ServerSet
     assert waited < entry_ttl + 2 * rl.wait_poll + 1.0, waited
 
 
-def _timed_waiter(urls: list[str], name: str, log: str) -> None:
-    with Redlock(urls, wait_poll=0.5, request_timeout=0.2) as own:
+def _timed_waiter(urls: list[str], name: str, log: str, transport: str, ready: Any, go: Any) -> None:
+    with Redlock(urls, wait_poll=0.5, request_timeout=0.2, transport=transport) as own:
         lock = own.lock(name, ttl=10, fair=True)
+        ready.set()
+        go.wait(60)
         if lock.acquire(timeout=60):
             with open(log, "w") as out:
                 out.write(repr(time.monotonic()))  # CLOCK_MONOTONIC: system-wide on Linux
@@ -320,15 +347,14 @@ def _timed_waiter(urls: list[str], name: str, log: str) -> None:
 
 
 def test_a_waiter_paused_past_its_entry_ttl_queues_again_at_the_back(
-    masters: ServerSet, rl: Redlock, tmp_path: object
+    masters: ServerSet, rl: Redlock, tmp_path: object, transport: str
 ) -> None:
     log = os.path.join(str(tmp_path), "paused")
+    first, ready, go = _spawn(_timed_waiter, masters.urls, "paused", log, transport)
+    assert ready.wait(60), "the waiter process never came up"
     holder = rl.lock("paused", ttl=30, fair=True)
     assert take(holder)
-    first = multiprocessing.get_context("fork").Process(
-        target=_timed_waiter, args=(masters.urls, "paused", log), daemon=True
-    )
-    first.start()
+    go.set()
     await_queued(masters, "paused", 1)
     assert first.pid is not None
     os.kill(first.pid, signal.SIGSTOP)

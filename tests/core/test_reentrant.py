@@ -243,7 +243,7 @@ def test_the_heartbeat_keeps_the_owners_holding(masters: ServerSet) -> None:
 def test_extend_many_mixes_kinds(rl: Redlock, masters: ServerSet) -> None:
     plain = rl.lock("mix-plain", ttl=2)
     reentrant = rl.lock("mix-reentrant", ttl=2, reentrant=True)
-    assert plain.acquire(blocking=False) and reentrant.acquire(blocking=False)
+    assert take(plain) and take(reentrant)
     holding = reentrant.holding()
     assert holding is not None
     assert rl.extend_many([plain, holding]) == [True, True]

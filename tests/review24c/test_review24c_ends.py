@@ -19,6 +19,7 @@ from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import CeleryWorker
 
 from ..appservers import app_env, marker_gone
+from ..core.conftest import take
 from .conftest import ROOT, Servers, Workers, wait_for
 
 
@@ -45,7 +46,7 @@ def test_a_discarded_message_whose_marker_waits_beside_the_key_frees_it(
     redlock = app_settings_and_redlock(r24.app)[1]
     name = f"r24:{tag}"
     held = redlock.lock(name, 30.0, holder="operator maintenance")
-    assert held.acquire(blocking=False)
+    assert take(held)
     try:
         if how == "unregistered":
             queue, worker = r24_workers("solo", None, R24_OLD_DEPLOY="1")
@@ -174,7 +175,7 @@ def test_a_delayed_message_whose_marker_waits_beside_the_key_frees_it_when_it_ca
     redlock = app_settings_and_redlock(r24.app)[1]
     name = f"r24:{tag}"
     held = redlock.lock(name, 30.0, holder="operator maintenance")
-    assert held.acquire(blocking=False)
+    assert take(held)
     try:
         queue, worker = r24_workers("solo", None)
         if how == "revoked":

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +21,7 @@ from celery_redlock import Redlock
 from celery_redlock.lock import admin
 from celery_redlock.lock.liveness import pid_runs
 from celery_redlock.testing import ServerSet
+from tests.waiting import wait_until
 
 HOLDER = Path(__file__).resolve().parent / "holder.py"
 ROOT = HOLDER.parents[2]
@@ -84,6 +84,29 @@ def test_release_never_frees_a_holder_whose_heartbeat_a_long_c_call_delays(
         )
 
 
+def _pttls(masters: ServerSet, key: str) -> list[int]:
+    """The PTTL of ``key`` on each master (negative where it is not)."""
+    found = []
+    for server in masters:
+        client = server.client()
+        try:
+            found.append(int(client.pttl(key)))
+        finally:
+            client.close()
+    return found
+
+
+def extended(masters: ServerSet, key: str, quorum: int) -> None:
+    """Wait until a quorum of masters shows ``key`` extended since now: its PTTL only runs down
+    between two extensions, so one that went up is the holder's extension."""
+    before = _pttls(masters, key)
+
+    def seen() -> bool:
+        return sum(0 < was < now for was, now in zip(before, _pttls(masters, key), strict=True)) >= quorum
+
+    wait_until(seen, 10.0, f"an extension of {key} on {quorum} masters")
+
+
 def _free_pid() -> int:
     for candidate in range(30000, 20000, -7):
         if not pid_runs(candidate) and not os.path.exists(f"/proc/{candidate}"):
@@ -123,7 +146,7 @@ def test_release_never_frees_a_live_holder_in_another_pid_namespace_under_this_h
         assert ready[:1] == ["ready"], ready
         assert int(ready[2]) == pid, f"the holder got pid {ready[2]} in its namespace, not {pid}"
         token = ready[1]
-        time.sleep(1.0)  # it has extended by now: a live holder
+        extended(masters, rl.key_prefix + "contained", rl.quorum)  # a live holder
         try:
             released, alive = admin.release(rl, "contained", watch=10)
         except admin.ReleaseRefused as refused:

@@ -35,6 +35,7 @@ from celery_redlock.ops import exits
 from celery_redlock.ops.standalone import group
 from celery_redlock.testing import Proxy, ServerSet
 from celery_redlock.testing.servers import free_port, server_binary
+from tests.core.conftest import take
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,7 +78,7 @@ def test_release_json_whose_input_ends_unanswered_still_prints_its_document(urls
     resource = name()
     with Redlock(urls.split(","), retry_count=0) as rl:
         lock = rl.lock(resource, ttl=30, holder="nightly export")
-        assert lock.acquire(blocking=False)
+        assert take(lock)
         try:
             ran = cli("release", resource, "--masters", urls, "--json")
             assert ran.returncode == exits.NO, ran.stdout + ran.stderr
@@ -138,9 +139,9 @@ def test_the_audit_line_tells_a_checked_release_from_a_forced_one(urls: str) -> 
     )  # fmt: skip
     checked, forced = name(), name()
     with Redlock(urls.split(","), retry_count=0) as rl:
-        assert rl.lock(checked, ttl=60, holder=record).acquire(blocking=False)
+        assert take(rl.lock(checked, ttl=60, holder=record))
         alive = rl.lock(forced, ttl=60, holder="a cron script")
-        assert alive.acquire(blocking=False)
+        assert take(alive)
         try:
             ran = cli("release", checked, "--masters", urls, "--yes", "--json")
             assert ran.returncode == exits.OK, ran.stdout + ran.stderr

@@ -16,7 +16,7 @@ import pytest
 
 from celery_redlock import AsyncRedlock, Redlock
 from celery_redlock.testing import ServerSet
-from tests.asyncio.conftest import run
+from tests.asyncio.conftest import run, take
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,7 +53,7 @@ def test_fair_order_across_async_and_threads_with_a_cancelled_waiter(masters: Se
             AsyncRedlock(masters.urls, ttl=20.0, wait_poll=3.0) as two,
         ):
             holder = one.lock(NAME, fair=True)
-            assert await holder.acquire(blocking=False)
+            assert await take(holder)
 
             async def wait(tag: str, rl: AsyncRedlock) -> None:
                 lock = rl.lock(NAME, fair=True)

@@ -22,7 +22,7 @@ import pytest
 from celery_redlock import AsyncRedlock
 from celery_redlock.errors import ConfigError
 from celery_redlock.testing import ServerSet
-from tests.asyncio.conftest import keys_on, run
+from tests.asyncio.conftest import keys_on, run, take
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(40)
@@ -70,7 +70,7 @@ def test_an_asyncredlock_used_from_a_second_event_loop_says_so(masters: ServerSe
 
     async def first() -> None:
         lock = rl.lock("review29:loops")
-        assert await lock.acquire(blocking=False)
+        assert await take(lock)
         await lock.release()
 
     async def second() -> object:
@@ -103,7 +103,7 @@ def test_a_waiter_of_a_second_event_loop_says_so(masters: ServerSet) -> None:
 
     async def first() -> None:
         held = rl.lock("review29:loops-wait")
-        assert await held.acquire(blocking=False)
+        assert await take(held)
         assert not await rl.lock("review29:loops-wait").acquire(timeout=0.3)
         await held.release()
 
@@ -124,7 +124,7 @@ def test_a_closed_asyncredlock_refuses_every_operation(masters: ServerSet) -> No
     async def main() -> None:
         rl = AsyncRedlock(masters.urls, ttl=5.0)
         held = rl.lock("review29:closed")
-        assert await held.acquire(blocking=False)
+        assert await take(held)
         await rl.aclose()
         for call in (
             lambda: rl.lock("review29:closed2").acquire(blocking=False),
@@ -186,7 +186,7 @@ def test_bad_acquire_and_extend_arguments_fail_before_any_round(masters: ServerS
                 ):
                     with pytest.raises(ConfigError, match=what):
                         await asyncio.wait_for(lock.acquire(**args), 2.0)
-                assert await lock.acquire(blocking=False)
+                assert await take(lock)
                 for ttl in (math.nan, math.inf, -1.0, "5", 1e300):
                     with pytest.raises(ConfigError, match="ttl"):
                         await lock.extend(ttl)  # type: ignore[arg-type]

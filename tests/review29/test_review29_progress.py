@@ -25,7 +25,8 @@ from celery_redlock import AsyncRedlock, Redlock
 from celery_redlock.errors import ConfigError
 from celery_redlock.lock.aio import AsyncReentrantLock
 from celery_redlock.testing import ServerSet
-from tests.asyncio.conftest import keys_on, run
+from tests.asyncio.conftest import keys_on, run, take
+from tests.core.conftest import take as take_threaded
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -43,7 +44,7 @@ def test_a_threaded_holders_release_wakes_an_async_waiter_at_once(masters: Serve
         rl = Redlock(masters.urls, ttl=20.0)
         try:
             lock = rl.lock("review29:mixed")
-            assert lock.acquire(blocking=False)
+            assert take_threaded(lock)
             taken.set()
             go.wait(10.0)
             released_at.append(time.monotonic())
@@ -90,7 +91,7 @@ def test_an_async_holders_release_wakes_a_threaded_waiter_at_once(masters: Serve
     async def main() -> float:
         async with AsyncRedlock(masters.urls, ttl=20.0) as arl:
             lock = arl.lock("review29:mixed2")
-            assert await lock.acquire(blocking=False)
+            assert await take(lock)
             thread.start()
             await asyncio.get_running_loop().run_in_executor(None, started.wait, 10.0)
             await asyncio.sleep(0.3)  # the spacing IS the scenario: the thread sleeps in its room
@@ -109,7 +110,7 @@ def test_a_keepalive_stops_with_release_and_with_aclose(masters: ServerSet) -> N
     async def main() -> None:
         async with AsyncRedlock(masters.urls, ttl=5.0) as rl:
             held = rl.hold("review29:keep", 0.6)
-            assert await held.acquire(blocking=False)
+            assert await take(held)
             await asyncio.sleep(0.9)  # kept past its TTL
             assert held.owned()
             assert len(rl.keepalives) == 1
@@ -123,7 +124,7 @@ def test_a_keepalive_stops_with_release_and_with_aclose(masters: ServerSet) -> N
             assert not other.owned()
         rl2 = AsyncRedlock(masters.urls, ttl=5.0)
         kept = rl2.hold("review29:keep2", 0.6)
-        assert await kept.acquire(blocking=False)
+        assert await take(kept)
         await rl2.aclose()  # not released: it must expire with its TTL, never be extended again
         assert not rl2.keepalives
 
@@ -160,7 +161,7 @@ def test_tasks_made_inside_a_reentrant_block_contend_like_strangers(masters: Ser
                 async with lock:
                     assert lock.depth == 2
             assert lock.depth == 0 and not lock.owned()
-            assert await rl.lock("review29:re", reentrant=True).acquire(blocking=False)
+            assert await take(rl.lock("review29:re", reentrant=True))
 
     run(main())
 
@@ -173,9 +174,9 @@ def test_aclose_while_tasks_wait_ends_every_one_of_them(masters: ServerSet) -> N
             held = other.lock("review29:closing")
             held_fair = other.lock("review29:closing-fair", fair=True)
             held_re = other.lock("review29:closing-re", reentrant=True)
-            assert await held.acquire(blocking=False)
-            assert await held_re.acquire(blocking=False)
-            assert await held_fair.acquire(blocking=False)
+            assert await take(held)
+            assert await take(held_re)
+            assert await take(held_fair)
             waiters = [
                 asyncio.create_task(rl.lock("review29:closing").acquire(timeout=4.0)),
                 asyncio.create_task(rl.lock("review29:closing").acquire()),  # retry_count tries
@@ -216,7 +217,7 @@ def test_a_waiter_is_woken_by_the_release_with_a_faulty_minority(masters: Server
             # Links made before the fault, as in a running service.
             for rl in (one, two):
                 warm = rl.lock("review29:faulty-warm")
-                assert await warm.acquire(blocking=False)
+                assert await take(warm)
                 await warm.release()
             if fault == "paused":
                 masters[0].pause()

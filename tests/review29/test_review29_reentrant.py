@@ -19,7 +19,7 @@ import pytest
 from celery_redlock import AsyncRedlock
 from celery_redlock.lock.aio import AsyncReentrantLock
 from celery_redlock.testing import ServerSet
-from tests.asyncio.conftest import run
+from tests.asyncio.conftest import run, take
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -29,7 +29,7 @@ def test_a_reentry_cut_short_leaves_no_validity_the_masters_do_not_keep(masters:
         async with AsyncRedlock(masters.urls, ttl=1.0) as rl, AsyncRedlock(masters.urls, ttl=1.0) as other:
             lock = rl.lock("review29:reentry", reentrant=True)
             assert isinstance(lock, AsyncReentrantLock)
-            assert await lock.acquire(blocking=False)
+            assert await take(lock)
             assert await lock.extend(10.0)  # held for 10 s now, on the masters and here
             # Cut short in its own task once the R_ENTER round is written (what
             # asyncio.timeout() around an inner ``async with`` does), the task goes on holding.
