@@ -18,6 +18,20 @@ from celery_redlock.testing import ServerSet
 
 T = TypeVar("T")
 
+# What a loaded 2-core host (a CPU hog on one core) may add to one round past its
+# request_timeout, or to one wake-up past its time: the loop and the masters' processes each
+# waiting a time slice or a few for a core. Tens of milliseconds are seen (66 ms beside a CI
+# run); a timing bound here is the configured time plus this, not a number of its own.
+ROUND_SLACK = 0.2
+
+# The waiting tests' settings: wait_poll and retry_delay far above what they measure, so only a
+# notice (or the expiry the refusals reported) can explain a quick wake-up.
+SLOW = {"wait_poll": 5.0, "retry_delay": 2.0}
+# A waiter that no notice woke tries again on its fallback poll: a jittered wait_poll, at least
+# half of it, after its sleep began (before the release). Woken within half of that, it was the
+# notice that woke it: a publish and one round, milliseconds, tens of them on a loaded host.
+WOKEN_BY_NOTICE = 0.5 * 0.5 * SLOW["wait_poll"]
+
 
 @pytest.fixture(scope="session")
 def server_set() -> Iterator[ServerSet]:

@@ -13,7 +13,7 @@ from celery_redlock import AsyncRedlock
 from celery_redlock.testing import ServerSet
 from tests.waiting import wait_for
 
-from .conftest import keys_on, run, take
+from .conftest import ROUND_SLACK, keys_on, run, take
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -29,39 +29,51 @@ def test_a_paused_master_costs_a_round_at_most_request_timeout(masters: ServerSe
             try:
                 for _ in range(3):  # its late replies pile up; its rounds stay bounded
                     started = time.monotonic()
-                    assert await lock.acquire(blocking=False)
+                    got = await lock.acquire(blocking=False)
+                    took.append(time.monotonic() - started)
+                    # Bounded, granted or not; refused only for a healthy master's answer late
+                    # on a loaded host, it is asked again (untimed) for the release's premise.
+                    assert got or await take(lock), lock.last_error
+                    started = time.monotonic()
                     assert await lock.release()  # a quorum answered: not waited for the fifth
                     took.append(time.monotonic() - started)
                 # A new AsyncRedlock connects to it: the handshake is bounded too.
                 async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=0.2) as fresh:
+                    other = fresh.lock("other")
                     started = time.monotonic()
-                    assert await fresh.lock("other").acquire(blocking=False)
+                    got = await other.acquire(blocking=False)
                     took.append(time.monotonic() - started)
+                    # Its first handshakes may be late on a loaded host: the quorum is asked again.
+                    assert got or await take(other), other.last_error
             finally:
                 masters[0].resume()
         return took
 
     took = run(main())
-    # An acquire waits out the paused master (0.2 s), the release does not.
-    assert all(t < 0.2 + 0.15 for t in took), took
+    # Each acquire and each release is one round, at most the paused master's request_timeout.
+    assert all(t < 0.2 + ROUND_SLACK for t in took), took
 
 
 def test_a_dead_minority_is_no_matter_and_a_dead_majority_refuses(masters: ServerSet) -> None:
-    async def main() -> tuple[bool, bool, float]:
+    async def main() -> tuple[list[str], bool, float, float]:
         async with AsyncRedlock(masters.urls, ttl=5.0, retry_count=0) as rl:
             masters[3].kill()
             masters[4].kill()
             lock = rl.lock("minority")
-            held = await lock.acquire(blocking=False)
+            # Granted by the three alive (asked again only if one of them answered late).
+            assert await take(lock), lock.last_error
+            dead = [vote.kind for vote in lock.last_votes[3:]]
             await lock.release()
             masters[2].kill()
             started = time.monotonic()
             refused = not await rl.lock("majority").acquire(blocking=False)
-            return held, refused, time.monotonic() - started
+            return dead, refused, time.monotonic() - started, rl.request_timeout
 
-    held, refused, took = run(main())
-    assert held and refused
-    assert took < 0.1 + 0.1
+    dead, refused, took, request_timeout = run(main())
+    assert dead == ["error", "error"] and refused, dead
+    # One round: the master killed under its link may be waited out (its reset not yet read),
+    # for its request_timeout at most; the two refused connects cost nothing.
+    assert took < request_timeout + ROUND_SLACK, took
 
 
 def test_a_cancelled_acquire_retracts_what_it_may_have_taken(masters: ServerSet) -> None:
@@ -101,7 +113,8 @@ def test_leaving_async_with_by_cancellation_releases(masters: ServerSet) -> None
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            return await rl.lock("body").acquire(blocking=False)
+            # Released: free on every master (taken again if answers come late, never if held).
+            return await take(rl.lock("body"))
 
     assert run(main())
 
@@ -153,7 +166,7 @@ def test_aclose_leaves_no_task(masters: ServerSet) -> None:
     async def main() -> set[asyncio.Task[object]]:
         rl = AsyncRedlock(masters.urls, ttl=2.0, request_timeout=0.1)
         held = rl.hold("kept")
-        assert await held.acquire(blocking=False)
+        assert await take(held)
         masters[0].kill()  # its link lost: connects and a kept release's deliveries begin
         await held.release()
         await asyncio.sleep(0.15)

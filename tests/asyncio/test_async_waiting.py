@@ -1,8 +1,8 @@
 """Waiting woken by the release, for asyncio: a waiter wakes on the holder's release (not on a
 poll), on an abandoned lock's expiry, in arrival order when fair; a refusal names the holder.
 
-Every test sets ``wait_poll`` and ``retry_delay`` far above what it measures, so only a notice
-(or the expiry the refusals reported) can explain a quick wake-up."""
+Every test sets ``wait_poll`` and ``retry_delay`` far above what it measures (``SLOW``), so only
+a notice (or the expiry the refusals reported) can explain a quick wake-up."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ import pytest
 from celery_redlock import AsyncRedlock, LockNotAcquired
 from celery_redlock.testing import ServerSet
 
-from .conftest import keys_on, run, take
+from .conftest import SLOW, WOKEN_BY_NOTICE, keys_on, run, take
 
 pytestmark = pytest.mark.timeout(30)
-
-SLOW = {"wait_poll": 5.0, "retry_delay": 2.0}
 
 
 def test_a_waiter_is_woken_by_the_release(masters: ServerSet) -> None:
@@ -39,7 +37,7 @@ def test_a_waiter_is_woken_by_the_release(masters: ServerSet) -> None:
 
     took, listening = run(main())
     assert listening == 5
-    assert took < 0.25, took  # a poll would take seconds (wait_poll 5, retry_delay 2)
+    assert took < WOKEN_BY_NOTICE, took  # a poll would come seconds after the release
     assert keys_on(masters) != [[]] * 5  # the waiter holds it (never released here)
 
 
@@ -187,5 +185,5 @@ def test_a_reentrant_waiter_is_woken_by_the_release(masters: ServerSet) -> None:
             return time.monotonic() - released, rl.subscriber.listening()
 
     took, listening = run(main())
-    assert listening == 5 and took < 0.25, took
+    assert listening == 5 and took < WOKEN_BY_NOTICE, took  # a poll would come seconds after
     assert keys_on(masters) == [[]] * 5

@@ -111,6 +111,46 @@ def tag() -> str:
     return uuid.uuid4().hex[:10]
 
 
+@pytest.fixture
+def finishing_waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The keys a publish in this process waited on as a finished run's (for up to
+    ``FINISHING_WAIT``, its release taken to be on its way), recorded as each wait begins: what
+    a publish decided, whatever a loaded host does to how long it took."""
+    from celery_redlock.celery import enqueue
+
+    waited: list[str] = []
+    wait_out = enqueue._wait_out
+
+    def recorded(
+        task: Any,
+        redlock: Any,
+        name: str,
+        value: str,
+        ttl: float,
+        existing: Any,
+        seconds: float,
+        settled: Any,
+    ) -> Any:
+        if seconds == enqueue.FINISHING_WAIT:
+            waited.append(name)
+        return wait_out(task, redlock, name, value, ttl, existing, seconds, settled)
+
+    monkeypatch.setattr(enqueue, "_wait_out", recorded)
+    return waited
+
+
+def pttls(masters: ServerSet, key: str) -> list[int]:
+    """``key``'s PTTL on each master, in milliseconds (-2: no such key, -1: no expiry)."""
+    found = []
+    for server in masters:
+        client = server.client()
+        try:
+            found.append(int(client.pttl(key)))
+        finally:
+            client.close()
+    return found
+
+
 def records(lockapp: Any, name: str) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in lockapp.store().lrange(name, 0, -1)]
 

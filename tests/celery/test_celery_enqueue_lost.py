@@ -176,7 +176,7 @@ def test_a_call_deduplicated_against_a_publisher_that_died_before_its_publish_st
 
 @pytest.mark.timeout(90)
 def test_a_duplicate_of_a_running_reused_task_id_is_answered_without_waiting(
-    lost: ModuleType, threads_queue: str, tag: str
+    lost: ModuleType, threads_queue: str, tag: str, finishing_waits: list[str]
 ) -> None:
     """A fixed task id reused by a second publish (the first run finished, its result stored):
     while the second run holds the key, a duplicate publish is deduplicated against it. The
@@ -186,11 +186,11 @@ def test_a_duplicate_of_a_running_reused_task_id_is_answered_without_waiting(
     lost.deduped.apply_async((tag, 0.0), task_id=fixed, queue=threads_queue).get(timeout=20)
     lost.deduped.apply_async((tag, 4.0), task_id=fixed, queue=threads_queue)
     assert wait_for(lambda: sum(e["event"] == "start" for e in lost.events(tag)) == 2, 15.0)
-    started = time.monotonic()
     dup = lost.deduped.apply_async((tag,), queue=threads_queue)
-    took = time.monotonic() - started
     assert dup.id == fixed
-    assert took < 0.5, f"the duplicate publish took {took:.2f} s (the holder is running, not finishing)"
+    # What the publish decided, not how long it took on this host: the holder is running, so
+    # it did not wait on the key as if a finished run's release were on its way.
+    assert finishing_waits == [], f"the duplicate publish waited out a finished run: {finishing_waits}"
 
 
 @pytest.mark.timeout(90)

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from celery.signals import after_task_publish
-from conftest import HERE, ROOT, RUN, app_env, wait_until
+from conftest import HERE, ROOT, RUN, app_env, pttls, wait_until
 
 from celery_redlock import is_skipped
 from celery_redlock.celery.enqueue import MARKER_HEADER, PUBLISH_WINDOW
@@ -136,17 +136,6 @@ def cli(broker: RedisServer, masters: ServerSet, *args: str) -> subprocess.Compl
         text=True,
         timeout=60,
     )
-
-
-def pttls(masters: ServerSet, key: str) -> list[int]:
-    found = []
-    for server in masters:
-        client = server.client()
-        try:
-            found.append(int(client.pttl(key)))
-        finally:
-            client.close()
-    return found
 
 
 # -- 1. a marker belongs to the task that placed it ---------------------------------------------

@@ -9,13 +9,16 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from conftest import HERE, ROOT, app_env, records, wait_until
+from conftest import HERE, ROOT, app_env, pttls, records, wait_until
 from test_celery_core import Pool
 
 from celery_redlock import ConfigError, LockNotAcquired, Redlock, RedlockTask, is_skipped
 from celery_redlock.celery.slots import PUBLISHED_HEADER
 from celery_redlock.lock.masters import BACKOFF_CAP
+from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
+
+LONG_HOLD_TTL = 0.6  # lockapp.long_hold's lock_ttl
 
 
 @pytest.mark.timeout(90)
@@ -41,13 +44,16 @@ def test_sigkill_of_the_holding_process_frees_the_lock_within_ttl(
         else:
             assert started["pid"] == worker.pid
         os.kill(started["pid"], signal.SIGKILL)
-        killed_at = time.monotonic()
+        # Nothing extends the lock any more: on each master its key has one TTL left at most
+        # (an extension the process wrote before it died sets no more than that either).
+        left = pttls(redlock_masters, lock_key("redlock:", f"res:{tag}"))
+        assert all(ms == -2 or 0 <= ms <= LONG_HOLD_TTL * 1000 for ms in left), left
         with Redlock(redlock_masters.urls) as contender:
             lock = contender.lock(f"res:{tag}", ttl=5)
-            assert lock.acquire(timeout=0.6 + 1.0), "the killed process's lock outlived its TTL"
-            waited = time.monotonic() - killed_at
+            # Woken when its refusals say a quorum's keys expire, at most that TTL from now; the
+            # second past it is for the contender's connects and rounds on a loaded host.
+            assert lock.acquire(timeout=LONG_HOLD_TTL + 1.0), "the killed process's lock outlived its TTL"
             lock.release()
-    assert waited <= 1.6
 
 
 @pytest.mark.timeout(60)

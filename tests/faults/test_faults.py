@@ -29,6 +29,8 @@ def length(scenario: Scenario) -> float:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_scenario(scenario: Scenario) -> None:
     if (scenario.cluster.clock_rates or scenario.cluster.clock_offsets) and shutil.which("faketime") is None:
+        if os.environ.get("CELERY_REDLOCK_REQUIRE_FAKETIME") == "1":
+            pytest.fail("faketime is required (CELERY_REDLOCK_REQUIRE_FAKETIME=1) but not on PATH")
         pytest.skip("needs Debian's faketime (apt-get install faketime; .ci/run installs it)")
     result = run_scenario(scenario, length(scenario), SEED)
     assert not result.problems(), details(result)
