@@ -56,7 +56,7 @@ def test_a_paused_master_costs_a_round_at_most_request_timeout(masters: ServerSe
 
 def test_a_dead_minority_is_no_matter_and_a_dead_majority_refuses(masters: ServerSet) -> None:
     async def main() -> tuple[list[str], bool, float, float]:
-        async with AsyncRedlock(masters.urls, ttl=5.0, retry_count=0) as rl:
+        async with AsyncRedlock(masters.urls, ttl=5.0, request_timeout=2.0, retry_count=0) as rl:
             masters[3].kill()
             masters[4].kill()
             lock = rl.lock("minority")
@@ -71,9 +71,41 @@ def test_a_dead_minority_is_no_matter_and_a_dead_majority_refuses(masters: Serve
 
     dead, refused, took, request_timeout = run(main())
     assert dead == ["error", "error"] and refused, dead
-    # One round: the master killed under its link may be waited out (its reset not yet read),
-    # for its request_timeout at most; the two refused connects cost nothing.
-    assert took < request_timeout + ROUND_SLACK, took
+    # One round, not waited out: the master killed under its link is an error as soon as its
+    # reset is read, and the two refused connects cost nothing.
+    assert took < ROUND_SLACK < request_timeout, took
+
+
+def test_masters_killed_while_the_loop_was_busy_vote_error_at_once(masters: ServerSet) -> None:
+    """A down master costs a bounded timeout, and nothing once it is known down: masters killed
+    while the event loop was busy (a blocking call; their resets not read yet) are written to,
+    and the resets then read fail their votes at once, not at the 5 s request timeout."""
+
+    async def main() -> tuple[list[str], float, list[str], float]:
+        async with AsyncRedlock(masters.urls, ttl=10.0, request_timeout=5.0, retry_count=0) as rl:
+            lock = rl.lock("killed-busy")
+            assert await take(lock)  # every link made, then idle
+            await lock.release()
+            for server in list(masters)[:2]:
+                server.kill()
+            time.sleep(0.3)  # the loop is busy: nothing reads the two resets meanwhile
+            started = time.monotonic()
+            assert await lock.acquire(blocking=False), lock.last_error
+            granted = time.monotonic() - started
+            votes = [vote.kind for vote in lock.last_votes]
+            await lock.release()
+            masters[2].kill()
+            time.sleep(0.3)
+            started = time.monotonic()
+            refused = rl.lock("killed-busy-majority")
+            assert not await refused.acquire(blocking=False)
+            assert refused.last_error is not None
+            return votes, granted, [v.kind for v in refused.last_error.votes], time.monotonic() - started
+
+    votes, granted, refused_votes, refused_took = run(main())
+    assert votes[:2] == ["error", "error"] and votes[2:] == ["yes"] * 3, votes
+    assert refused_votes[:3] == ["error"] * 3, refused_votes
+    assert granted < ROUND_SLACK and refused_took < ROUND_SLACK, (granted, refused_took)
 
 
 def test_a_cancelled_acquire_retracts_what_it_may_have_taken(masters: ServerSet) -> None:

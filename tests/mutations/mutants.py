@@ -1032,4 +1032,21 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "aio_lost_link_leaves_its_votes_to_the_deadline",
+        "a vote written on an asyncio link lost before its reply is not failed: it waits out the "
+        "request timeout",
+        (
+            "tests/asyncio/test_async_faults.py::test_masters_killed_while_the_loop_was_busy_vote_error_at_once",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/aio/site.py",
+                "            if entry.sink is not None:\n"
+                "                entry.sink.put(entry.slot, failure)\n",
+                "            if entry.sink is not None and entry.command is None:\n"
+                "                entry.sink.put(entry.slot, failure)\n",
+            ),
+        ),
+    ),
 )

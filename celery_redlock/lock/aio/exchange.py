@@ -155,7 +155,7 @@ class AsyncExchange:
         if self._connecting[i] is not None:
             self._queued.setdefault(i, []).append((data, entries))
             return
-        self._unwritten(i, entries, self._failures.get(i) or "no connection")
+        self._sites[i].unanswered(entries, self._failures.get(i) or "no connection")
 
     def _link(self, i: int) -> Link | None:
         """Master i's link for this exchange: an idle one, else a connect is begun (None)."""
@@ -184,7 +184,7 @@ class AsyncExchange:
             error = "cancelled" if exc is None else f"{type(exc).__name__}: {exc}"
             self._failures[i] = why = self._sites[i].down_reason or error
             for _, entries in queued:
-                self._unwritten(i, entries, why)
+                self._sites[i].unanswered(entries, why)
             return
         for data, entries in queued:
             _write_wanted(link, data, entries)
@@ -192,16 +192,6 @@ class AsyncExchange:
             self._sites[i].give_back(link)
         else:
             self._links[i] = link
-
-    def _unwritten(self, i: int, entries: list[Entry], why: str) -> None:
-        """Entries master i could not be written to: votes fail now, releases are kept."""
-        failure = Outcome("error", detail=why)
-        site = self._sites[i]
-        for entry in entries:
-            if entry.keep and entry.command is not None:
-                site.keep(pack_command(entry.command))
-            if entry.sink is not None:
-                entry.sink.put(entry.slot, failure)
 
     def _check_refusal(self) -> None:
         if asyncio.get_running_loop() is not self._transport.loop:

@@ -20,7 +20,7 @@ from .. import wire
 from ..transport.commands import Outcome, script_loads
 from ..transport.handshake import Silent, handshake_commands
 from .link import Entry, Link, Sink
-from .site import Site
+from .site import LINK_LOST, Site
 
 
 class _Replies(Sink):
@@ -51,7 +51,7 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
     loop = asyncio.get_running_loop()
     options = master._options
     conn = master._connection_class(**options)  # only read for its options; never connected
-    link = Link(master, lambda lost, entries: site.keep_entries(entries))
+    link = Link(master, lambda lost, entries: site.unanswered(entries, LINK_LOST))
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("no time left to connect within request_timeout")
@@ -87,6 +87,11 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
                 f"accepted the connection and did not answer within {site.request_timeout:g} s (a "
                 "connect's bound: request_timeout; a paused or overloaded server, or no Redis server)"
             ) from None
+        if link.closed:
+            # Lost before every reply came (see Site.unanswered): the missing ones read as
+            # errors, which the checks would take for the server's own answers (a refused
+            # AUTH, no Redis server) and never contact the master again. A lost connection.
+            raise ConnectionError("the connection was lost during the handshake")
         link.run_id = master.accept_handshake(commands, [_value(o) for o in replies.values])
     except BaseException:
         link.close()

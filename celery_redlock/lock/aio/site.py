@@ -24,12 +24,15 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .. import wire
-from ..transport.commands import pack_command
+from ..transport.commands import Outcome, pack_command
 from ..transport.handshake import NOT_REDIS, Unfit
 from ..transport.master import MAX_UNSENT, Master
 from .link import Entry, Link
 
 logger = logging.getLogger("celery_redlock.aio.site")
+
+# Why a vote written on a link that was lost before its reply came failed (see unanswered).
+LINK_LOST = "connection lost before the reply"
 
 BACKOFF_FLOOR = 0.05
 BACKOFF_CAP = 1.0
@@ -152,12 +155,22 @@ class Site:
             logger.warning("dropped a kept release for %s: over %d wait for it", self.master.name, MAX_UNSENT)
         self._deliver_soon()
 
-    def keep_entries(self, entries: list[Entry]) -> None:
-        """Entries a lost link never answered: the releases among them are kept (a release
-        sent twice deletes nothing more: its token is used once)."""
+    def unanswered(self, entries: list[Entry], why: str) -> None:
+        """Entries this master will not answer: not written (no link, a failed connect), or
+        written on a link lost before their replies. The releases among them are kept (a
+        release sent twice deletes nothing more: its token is used once); a caller waiting for
+        a reply is told now, as an error naming ``why``, and does not wait out its deadline.
+
+        INVARIANT (a down master costs a bounded timeout, and nothing when it is known down):
+        every entry written with a sink gets its outcome from a reply, from here, or from its
+        call's deadline, whichever comes first. A link lost under a waiting vote (the master
+        killed while the loop was busy) once left that vote to the deadline."""
+        failure = Outcome("error", detail=why)
         for entry in entries:
             if entry.keep and entry.command is not None:
                 self.keep(pack_command(entry.command))
+            if entry.sink is not None:
+                entry.sink.put(entry.slot, failure)
 
     def _write_kept(self, link: Link) -> None:
         kept, self.kept = self.kept, []
