@@ -354,15 +354,19 @@ def _keep(task: Any, redlock: Redlock, placed: markers.Placed, ttl: float, since
     )
 
 
-def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> markers.Placed | Existing:
+def _place(
+    task: Any, redlock: Redlock, name: str, value: str, ttl: float, deadline: float | None = None
+) -> markers.Placed | Existing:
     """The placed marker: on the lock key of ``name`` when it is free, else beside it, on the
     task's own side key, when another holds it. Or what holds it for this very task: its queued
     message's marker or its run. Raises :class:`LockNotAcquired` when neither is known after
-    ``PLACE_ATTEMPTS`` tries with masters not answering, or a vote split between publishers for
-    ``PUBLISH_WINDOW``."""
+    ``PLACE_ATTEMPTS`` tries with masters not answering, or a vote split between publishers
+    until ``deadline`` (monotonic; by default ``PUBLISH_WINDOW`` from now: a caller that waits
+    on its own deadline passes it, so that the two bounds do not add up)."""
     side = side_key(redlock.key_prefix, name, task.name)
     holder = value.partition(HOLDER_SEPARATOR)[2]
-    deadline = time.monotonic() + PUBLISH_WINDOW
+    if deadline is None:
+        deadline = time.monotonic() + PUBLISH_WINDOW
     attempt = 0
     while True:
         attempt += 1
@@ -397,16 +401,18 @@ def _place(task: Any, redlock: Redlock, name: str, value: str, ttl: float) -> ma
 def _place_again(redlock: Redlock, placed: markers.Placed, attempt: int, deadline: float) -> bool:
     """Whether a publish refused by ``placed`` (no quorum for anything) tries once more.
 
-    INVARIANT (a burst is not refused for its own contention): a round that a quorum answered
-    without agreeing on a holder is a vote split between publishers of the key, each of which
-    retracts its part and tries again after a random delay: one of them wins a round, and the
-    others then find its marker. Such a publish goes on until ``deadline`` (the publish window),
-    so that eight publishers of one key do not each give up after eight splits. Masters that did
-    not answer are another matter: a few tries, then the caller is told, naming them."""
+    INVARIANT (a burst is not refused for its own contention): a round that every master
+    answered without a quorum agreeing on a holder is a vote split between publishers of the
+    key, each of which retracts its part and tries again after a random delay: one of them wins
+    a round, and the others then find its marker. Such a publish goes on until ``deadline`` (the
+    publish window), so that publishers of one key do not each give up after a few splits, nor
+    after a split left by publishers killed mid-round (it expires within the window). A master
+    that did not answer may hold the very value that would make the quorum (another task's lock
+    on it and two more): no later round can be told from that one, so a few tries, then the
+    caller is told, naming it."""
     if attempt < PLACE_ATTEMPTS:
         return True
-    answered = len(placed.votes) - len(name_masters(placed.votes, UNANSWERED))
-    return answered >= redlock.quorum and time.monotonic() < deadline
+    return not name_masters(placed.votes, UNANSWERED) and time.monotonic() < deadline
 
 
 def _finished(task: Any, run: Existing) -> bool:
@@ -455,7 +461,7 @@ def _wait_out(
     while time.monotonic() < deadline:
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
-        placed = _place(task, redlock, name, value, ttl)
+        placed = _place(task, redlock, name, value, ttl, deadline)
         if not isinstance(placed, Existing) or settled(placed):
             return placed
     return placed

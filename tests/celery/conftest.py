@@ -18,6 +18,7 @@ import redis
 
 from celery_redlock.testing import CeleryWorker, Hold, RedisServer, ServerSet
 from celery_redlock.testing.celery import stop_all
+from tests.onmasters import pttls as pttls  # the Celery tests import it from here
 from tests.waiting import wait_for as wait_for  # the Celery tests import it from here
 from tests.waiting import wait_until as wait_until  # the Celery tests import it from here
 
@@ -113,9 +114,10 @@ def tag() -> str:
 
 @pytest.fixture
 def finishing_waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The keys a publish in this process waited on as a finished run's (for up to
-    ``FINISHING_WAIT``, its release taken to be on its way), recorded as each wait begins: what
-    a publish decided, whatever a loaded host does to how long it took."""
+    """Every wait a publish in this process began before its answer (a finished run's release
+    on its way, up to ``FINISHING_WAIT``; a marker whose publish has not returned), as
+    ``key (seconds)``, recorded as each begins, whatever its length: what a publish decided,
+    whatever a loaded host does to how long it took. A duplicate answered at once has none."""
     from celery_redlock.celery import enqueue
 
     waited: list[str] = []
@@ -131,24 +133,11 @@ def finishing_waits(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         seconds: float,
         settled: Any,
     ) -> Any:
-        if seconds == enqueue.FINISHING_WAIT:
-            waited.append(name)
+        waited.append(f"{name} ({seconds:g} s)")
         return wait_out(task, redlock, name, value, ttl, existing, seconds, settled)
 
     monkeypatch.setattr(enqueue, "_wait_out", recorded)
     return waited
-
-
-def pttls(masters: ServerSet, key: str) -> list[int]:
-    """``key``'s PTTL on each master, in milliseconds (-2: no such key, -1: no expiry)."""
-    found = []
-    for server in masters:
-        client = server.client()
-        try:
-            found.append(int(client.pttl(key)))
-        finally:
-            client.close()
-    return found
 
 
 def records(lockapp: Any, name: str) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from celery_redlock import Redlock
 from celery_redlock.lock import admin, markers
 from celery_redlock.lock.holder import HolderRecord
 from celery_redlock.testing import ServerSet
+from tests.onmasters import pttls
 
 from .conftest import take, take_everywhere
 
@@ -149,7 +150,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
         )
         assert rl.read_everywhere(side) == [kept.encode()] * 5, "the marker was not put back beside the key"
         # ... for no longer than it had left.
-        assert all(0 < pttl <= 30_000 for pttl in _pttls(masters, side))
+        assert all(0 < pttl <= 30_000 for pttl in pttls(masters, side))
         _hold_on(masters, free, key, other.token)
 
     # The task's next publish is refused by its waiting marker, as before the attempts.
@@ -161,14 +162,3 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     assert take(run)
     assert rl.read_everywhere(side) == [None] * 5
     run.release()
-
-
-def _pttls(masters: ServerSet, key: str) -> list[int]:
-    found = []
-    for server in masters:
-        client = server.client()
-        try:
-            found.append(int(client.pttl(key)))
-        finally:
-            client.close()
-    return found

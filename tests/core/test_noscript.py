@@ -22,6 +22,7 @@ from celery_redlock.lock.commands import EXTEND, PLAIN, REENTRANT
 from celery_redlock.lock.resource import Lock
 from celery_redlock.testing import ServerSet
 from tests.core.conftest import wait_for
+from tests.onmasters import holding
 
 from .conftest import take
 
@@ -66,18 +67,6 @@ def noscript_counts(masters: ServerSet) -> list[int]:
             entry = dict(part.split("=", 1) for part in entry.split(","))
         counts.append(int(entry.get("count", 0)))
     return counts
-
-
-def holding(masters: ServerSet, key: str) -> list[bool]:
-    """Whether each master has ``key`` (EXISTS: a reentrant lock's key is a hash)."""
-    found = []
-    for server in masters:
-        client = server.client()
-        try:
-            found.append(bool(client.exists(key)))
-        finally:
-            client.close()
-    return found
 
 
 def after_a_flush(masters: ServerSet, step: Callable[[], object], *, scripted: bool = True) -> object:

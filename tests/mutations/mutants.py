@@ -1013,7 +1013,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "celery_redlock/celery/enqueue.py",
-                "    return answered >= redlock.quorum and time.monotonic() < deadline\n",
+                "    return not name_masters(placed.votes, UNANSWERED) and time.monotonic() < deadline\n",
                 "    return False\n",
             ),
         ),
@@ -1027,8 +1027,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "celery_redlock/celery/enqueue.py",
-                "    return answered >= redlock.quorum and time.monotonic() < deadline\n",
-                "    return answered >= redlock.quorum\n",
+                "    return not name_masters(placed.votes, UNANSWERED) and time.monotonic() < deadline\n",
+                "    return not name_masters(placed.votes, UNANSWERED)\n",
             ),
         ),
     ),

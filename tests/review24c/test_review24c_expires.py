@@ -20,20 +20,10 @@ from celery_redlock.lock import markers
 from celery_redlock.lock.holder import HolderRecord
 from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import CeleryWorker
+from tests.onmasters import pttls
 
 from ..appservers import app_env
 from .conftest import ROOT, Servers, wait_for
-
-
-def _pttls(r24_servers: Servers, key: str) -> list[int]:
-    found = []
-    for server in r24_servers[1]:
-        client = server.client()
-        try:
-            found.append(int(client.pttl(key)))
-        finally:
-            client.close()
-    return found
 
 
 def _name(tag: str) -> str:
@@ -60,7 +50,7 @@ def test_the_marker_never_outlives_the_calls_expires(
     if countdown is not None:
         options["countdown"] = countdown
     first = r24.marked.apply_async((tag,), **options)
-    ttls = _pttls(r24_servers, lock_key(redlock.key_prefix, _name(tag)))
+    ttls = pttls(r24_servers[1], lock_key(redlock.key_prefix, _name(tag)))
     assert max(ttls) <= 1050, f"the marker of a message that expires in 1 s lasts {ttls} ms"
     time.sleep(1.3)
     second = r24.marked.apply_async((tag,), queue=queue)
@@ -74,7 +64,7 @@ def test_the_tasks_own_expires_caps_its_marker(r24: Any, r24_servers: Servers, t
     queue = f"r24-late-{tag}"
     redlock = app_settings_and_redlock(r24.app)[1]
     first = r24.expiring.apply_async((tag,), queue=queue)
-    ttls = _pttls(r24_servers, lock_key(redlock.key_prefix, _name(tag)))
+    ttls = pttls(r24_servers[1], lock_key(redlock.key_prefix, _name(tag)))
     time.sleep(1.5)  # the first message has expired: a worker discards it
     second = r24.expiring.apply_async((tag,), queue=queue, expires=30.0)
     worker = CeleryWorker(
@@ -124,7 +114,7 @@ def test_a_publish_that_waited_for_an_unpublished_marker_still_caps_its_marker_a
     first = r24.marked.apply_async((tag,), queue=queue, expires=expires_at)
     assert first.id != f"ghost-{tag}"
     left = (expires_at - dt.datetime.now(dt.timezone.utc)).total_seconds()
-    ttls = _pttls(r24_servers, lock_key(redlock.key_prefix, name))
+    ttls = pttls(r24_servers[1], lock_key(redlock.key_prefix, name))
     time.sleep(max(0.0, left) + 0.4)  # its message has expired
     second = r24.marked.apply_async((tag,), queue=queue)
     assert second.id != first.id, (

@@ -21,6 +21,7 @@ from celery_redlock import Redlock
 from celery_redlock.lock import admin
 from celery_redlock.lock.liveness import pid_runs
 from celery_redlock.testing import ServerSet
+from tests.onmasters import pttls
 from tests.waiting import wait_until
 
 HOLDER = Path(__file__).resolve().parent / "holder.py"
@@ -84,25 +85,13 @@ def test_release_never_frees_a_holder_whose_heartbeat_a_long_c_call_delays(
         )
 
 
-def _pttls(masters: ServerSet, key: str) -> list[int]:
-    """The PTTL of ``key`` on each master (negative where it is not)."""
-    found = []
-    for server in masters:
-        client = server.client()
-        try:
-            found.append(int(client.pttl(key)))
-        finally:
-            client.close()
-    return found
-
-
 def extended(masters: ServerSet, key: str, quorum: int) -> None:
     """Wait until a quorum of masters shows ``key`` extended since now: its PTTL only runs down
     between two extensions, so one that went up is the holder's extension."""
-    before = _pttls(masters, key)
+    before = pttls(masters, key)
 
     def seen() -> bool:
-        return sum(0 < was < now for was, now in zip(before, _pttls(masters, key), strict=True)) >= quorum
+        return sum(0 < was < now for was, now in zip(before, pttls(masters, key), strict=True)) >= quorum
 
     wait_until(seen, 10.0, f"an extension of {key} on {quorum} masters")
 

@@ -71,32 +71,40 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
         what = "TCP connect and TLS handshake" if tls is not None else "TCP connect"
         raise TimeoutError(f"no {what} within request_timeout ({site.request_timeout:g} s)") from None
     try:
-        commands = handshake_commands(conn)
-        loads = script_loads() if load_scripts else []
-        everything = [*commands, *loads]
-        replies = _Replies(len(everything))
-        link.write(
-            b"".join(map(wire.pack, everything)),
-            [Entry(replies, j, None, False) for j in range(len(everything))],
-        )
-        remaining = deadline - time.monotonic()
-        try:
-            await asyncio.wait_for(asyncio.shield(replies.done), max(0.0, remaining))
-        except asyncio.TimeoutError:
-            raise Silent(
-                f"accepted the connection and did not answer within {site.request_timeout:g} s (a "
-                "connect's bound: request_timeout; a paused or overloaded server, or no Redis server)"
-            ) from None
-        if link.closed:
-            # Lost before every reply came (see Site.unanswered): the missing ones read as
-            # errors, which the checks would take for the server's own answers (a refused
-            # AUTH, no Redis server) and never contact the master again. A lost connection.
-            raise ConnectionError("the connection was lost during the handshake")
-        link.run_id = master.accept_handshake(commands, [_value(o) for o in replies.values])
+        link.run_id = await _greet(link, conn, site, deadline, load_scripts)
     except BaseException:
         link.close()
         raise
     return link
+
+
+async def _greet(link: Link, conn: Any, site: Site, deadline: float, load_scripts: bool) -> str:
+    """The handshake on a new ``link`` (and the scripts' loads), its replies checked by
+    ``deadline``: the master's run id. Raises what makes the link unusable."""
+    commands = handshake_commands(conn)
+    loads = script_loads() if load_scripts else []
+    everything = [*commands, *loads]
+    replies = _Replies(len(everything))
+    link.write(
+        b"".join(map(wire.pack, everything)),
+        [Entry(replies, j, None, False) for j in range(len(everything))],
+    )
+    remaining = deadline - time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.shield(replies.done), max(0.0, remaining))
+    except asyncio.TimeoutError:
+        raise Silent(
+            f"accepted the connection and did not answer within {site.request_timeout:g} s (a "
+            "connect's bound: request_timeout; a paused or overloaded server, or no Redis server)"
+        ) from None
+    if link.protocol_error is not None:
+        raise link.protocol_error  # what it sent is not RESP: no Redis server (Site.connect)
+    if link.closed:
+        # Lost before every reply came (see Site.unanswered): the missing ones read as
+        # errors, which the checks would take for the server's own answers (a refused
+        # AUTH) and never contact the master again. A lost connection.
+        raise ConnectionError("the connection was lost during the handshake")
+    return site.master.accept_handshake(commands, [_value(o) for o in replies.values])
 
 
 def _value(outcome: Outcome) -> Any:

@@ -75,6 +75,8 @@ class Link(asyncio.Protocol):
         self.reader = wire.Reader()
         self.queue: collections.deque[Entry] = collections.deque()
         self.closed = False
+        # Why this side closed it: what the server sent was not RESP (see data_received).
+        self.protocol_error: wire.ProtocolError | None = None
         self.run_id = ""
         # Called once the queue empties (the site then takes the link back as idle).
         self.on_drained: Callable[[Link], None] | None = None
@@ -107,6 +109,7 @@ class Link(asyncio.Protocol):
                     self._answer(entry, reply)
         except wire.ProtocolError as exc:
             logger.warning("master %s sent what is not a reply: %s", self.master.name, exc)
+            self.protocol_error = exc
             self.close()
             return
         if not queue and self.on_drained is not None:
