@@ -33,6 +33,10 @@ pytestmark = pytest.mark.timeout(60)
 
 # A long poll, so a waiter woken by its poll is told apart from one woken by the release.
 POLL = 3.0
+# A waiter that no notice woke tries again on its fallback poll: a jittered POLL, at least half
+# of it, after its sleep began (before the release). Woken within half of that, the notice woke
+# it: a publish and one round, milliseconds, tenths of a second on a loaded host.
+WOKEN_BY_NOTICE = 0.5 * 0.5 * POLL
 
 
 def test_a_threaded_holders_release_wakes_an_async_waiter_at_once(masters: ServerSet) -> None:
@@ -70,7 +74,7 @@ def test_a_threaded_holders_release_wakes_an_async_waiter_at_once(masters: Serve
     woke = run(main())
     thread.join(10.0)
     assert not thread.is_alive()
-    assert woke - released_at[0] < 0.3, woke - released_at[0]
+    assert woke - released_at[0] < WOKEN_BY_NOTICE, woke - released_at[0]
 
 
 def test_an_async_holders_release_wakes_a_threaded_waiter_at_once(masters: ServerSet) -> None:
@@ -103,7 +107,7 @@ def test_an_async_holders_release_wakes_a_threaded_waiter_at_once(masters: Serve
     released = run(main())
     thread.join(10.0)
     assert not thread.is_alive() and result
-    assert result[0] - released < 0.3, result[0] - released
+    assert result[0] - released < WOKEN_BY_NOTICE, result[0] - released
 
 
 def test_a_keepalive_stops_with_release_and_with_aclose(masters: ServerSet) -> None:
@@ -244,5 +248,5 @@ def test_a_waiter_is_woken_by_the_release_with_a_faulty_minority(masters: Server
 
     first_round, woke = run(main())
     assert first_round < 0.2 + 0.15, first_round
-    # Its next attempt waits out the faulty master (0.2 s at most); a poll would be 3 s.
-    assert woke < 0.2 + 0.3, woke
+    # Its next attempt waits out the faulty master (0.2 s at most); a poll would be 1.5 s or more.
+    assert woke < 0.2 + WOKEN_BY_NOTICE, woke
