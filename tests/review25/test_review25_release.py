@@ -86,12 +86,19 @@ def test_release_never_frees_a_holder_whose_heartbeat_a_long_c_call_delays(
 
 
 def extended(masters: ServerSet, key: str, quorum: int) -> None:
-    """Wait until a quorum of masters shows ``key`` extended since now: its PTTL only runs down
-    between two extensions, so one that went up is the holder's extension."""
-    before = pttls(masters, key)
+    """Wait until a quorum of masters has shown ``key`` extended since now: between two
+    extensions its PTTL only runs down, so a PTTL above that master's previous reading is the
+    holder's extension. Each reading is compared with the one before it, not with the first:
+    the first may have been taken just after an extension, which a later one never tops."""
+    last = pttls(masters, key)
+    rose: set[int] = set()
 
     def seen() -> bool:
-        return sum(0 < was < now for was, now in zip(before, pttls(masters, key), strict=True)) >= quorum
+        nonlocal last
+        now = pttls(masters, key)
+        rose.update(i for i, (was, is_) in enumerate(zip(last, now, strict=True)) if 0 < was < is_)
+        last = now
+        return len(rose) >= quorum
 
     wait_until(seen, 10.0, f"an extension of {key} on {quorum} masters")
 
