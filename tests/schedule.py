@@ -11,7 +11,7 @@ own order (pytest-randomly shuffles within each file, and among files of equal c
 table does not know costs ``UNKNOWN_TEST_SECONDS`` a test, so a new file is neither first nor
 starved. The table is refreshed from a run's JUnit report::
 
-    python -m pytest -n 3 --junitxml=/tmp/junit.xml
+    python -m pytest -n 4 --junitxml=/tmp/junit.xml
     python -m tests.schedule /tmp/junit.xml
 """
 
