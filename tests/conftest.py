@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from celery_redlock.testing.celery import ask_all_to_stop
 from celery_redlock.testing.pytest_plugin import stop_on_sigterm
 
 
@@ -26,8 +27,14 @@ SESSION_TEARDOWN_BOUND = 120.0
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """The last test of a session (of each xdist worker) also tears down the session's fixtures,
     and pytest-timeout would charge that to the test's own limit: a 20 s test once failed on
-    the worker pools' shutdown. Its teardown gets the session's bound instead."""
+    the worker pools' shutdown. Its teardown gets the session's bound instead.
+
+    The session's fixtures stop their workers and beats one fixture after another; each
+    shutdown takes a second or more on a loaded host. A finalizer added to the session now runs
+    before theirs (finalizers run last-added first), once the test's and its module's are done:
+    it asks every process still running to stop, so that the shutdowns overlap."""
     if nextitem is None:
+        item.session.addfinalizer(ask_all_to_stop)
         import pytest_timeout
 
         hooks = item.config.pluginmanager.hook
