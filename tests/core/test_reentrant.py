@@ -311,11 +311,6 @@ class TwoOwners(RuleBasedStateMachine):
             redlock.close()
 
 
-# A hypothesis machine, marked as the others are: it runs once, over the fast transport, in the
-# README's command, and not again in CI's lowest-versions and newest-Pythons steps (what it
-# attacks is the reentrancy protocol, which the versions do not change; the contract tests
-# above check both transports' reentrancy on every version).
-@pytest.mark.explore
 @pytest.mark.timeout(180)
 def test_two_owners_machine(masters: ServerSet) -> None:
     TwoOwners.servers = masters
