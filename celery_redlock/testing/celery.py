@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -39,9 +40,11 @@ POLL = 0.05
 
 _counter = itertools.count(1)
 
-# Every process started here that may still run, for ask_all_to_stop. Held weakly: a process
-# object its owner dropped is not kept alive by this.
-_started: weakref.WeakSet[CeleryProcess] = weakref.WeakSet()
+# Every process started here that may still run, for ask_all_to_stop, by id(): held weakly (a
+# process object its owner dropped is not kept alive by this) and never hashed (a subclass may
+# define __eq__). The mutex lets a thread start a process while another asks them all to stop.
+_started: weakref.WeakValueDictionary[int, CeleryProcess] = weakref.WeakValueDictionary()
+_started_mutex = threading.Lock()
 
 
 class CeleryProcessError(RuntimeError):
@@ -144,6 +147,8 @@ class CeleryProcess:
         self._close_log()
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - the child writes to it until stop()
         self._log_offset = self.log_path.stat().st_size
+        with _started_mutex:  # before it exists: nothing can fail between its start and this
+            _started[id(self)] = self
         self._proc = subprocess.Popen(
             self.argv(),
             stdin=subprocess.DEVNULL,
@@ -154,7 +159,6 @@ class CeleryProcess:
             start_new_session=True,
         )
         self.paused = False
-        _started.add(self)
         logger.debug("started %r: %s", self, " ".join(self.argv()))
         if wait:
             try:
@@ -391,8 +395,10 @@ def ask_all_to_stop() -> None:
     For the end of a test session, when every fixture's processes are to go: asked together,
     their shutdowns overlap, where fixtures stopping theirs one after another add them up.
     """
-    for process in list(_started):
-        process._ask_to_stop()
+    with _started_mutex:
+        processes = list(_started.values())
+    for process in processes:
+        process._ask_to_stop()  # one that has ended, or never started, is left as it is
 
 
 def _children(pid: int) -> list[int]:
