@@ -234,8 +234,16 @@ def test_a_waiter_whose_join_a_majority_answered_late_takes_the_lock_soon_after_
         thread.start()
         try:
             assert wait_for(lambda: lock.calls >= 2, 10), "the waiter never joined"
-            # Its join runs on the resumed masters too: queued on all five, as far as they know.
-            assert wait_for(lambda: queued(masters, "minority-join") == [1] * 5, 10)
+
+            # Its join reached the two running masters. A resumed master runs it on resuming if it
+            # was written there; it may not have been (a link that had to be made anew to a
+            # stopped master sends nothing before its handshake), and either way the waiter knows
+            # its place on a minority only, which is this test's subject. All five answer again.
+            def joined() -> bool:
+                counts = queued(masters, "minority-join")
+                return len(counts) == 5 and counts[3:] == [1, 1] and all(n <= 1 for n in counts)
+
+            assert wait_for(joined, 10), queued(masters, "minority-join")
         finally:
             for server in stopped:
                 server.resume()
