@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 REQUEUE = script_template(scripts.REQUEUE, 1, 3)  # key token marker <ms>
 HANDOVER_RETRACT = script_template(scripts.HANDOVER_RETRACT, 2, 3)  # key side token marker <ms>
+HANDOVER_TIDY = script_template(scripts.HANDOVER_TIDY, 2, 3)  # key side token marker published
 PLACE = script_template(scripts.PLACE, 2, 2)  # key side marker <ms>
 BESIDE = script_template(scripts.BESIDE, 2, 3)  # side key marker <ms> holder-read
 # What the side key of an owner is named: the lock key, this, then the owner's name.
@@ -275,7 +276,17 @@ class HandoverLock(Lock):
             self._commands,
             expiry if waiting else None,
             undo=self._retraction(token, entry),
+            tidy=self._tidy(token),
         )
+
+    def _tidy(self, token: str) -> Command | None:
+        """What a granted attempt sends to the masters that did not grant it: HANDOVER_TIDY,
+        which deletes the marker beside the key there (see scripts.py) and retracts a late
+        grant. Without a side key nothing is left beside the key: None (a late master gets the
+        plain release)."""
+        if self._side is None:
+            return None
+        return HANDOVER_TIDY.pack(self.key, self._side, token, self.marker, self._published)
 
     def _retraction(self, token: str, entry: Entry | None) -> Command | None:
         """What a failed attempt sends where it may have taken the key: HANDOVER_RETRACT, which

@@ -196,6 +196,7 @@ class Redlock(Settings):
         retraction: Command | None = None,
         seen: list[Outcome] | None = None,
         undo: Command | None = None,
+        tidy: Command | None = None,
     ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
@@ -209,7 +210,8 @@ class Redlock(Settings):
         every master's outcome (fair.py reads its queue from them). A kind whose grant replaced
         a value that a failed attempt must put back sends ``undo`` to a failed attempt's masters
         instead (markers.HandoverLock); the late masters of a granted attempt are still sent the
-        ``retraction``.
+        ``retraction``, unless the kind gives a ``tidy``: then every master that did not grant a
+        granted attempt is sent that (it must retract a late grant as well).
         """
         steps = rounds.attempt(
             self,
@@ -222,6 +224,7 @@ class Redlock(Settings):
             retraction=retraction,
             seen=seen,
             undo=undo,
+            tidy=tidy,
         )
         first = next(steps)  # its clock starts here, before the round takes or makes any link
         with self._round() as rnd:

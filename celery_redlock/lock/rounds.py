@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from ..errors import Vote
 from .clock import now
 from .commands import PLAIN, Commands, milliseconds
-from .tally import Tally, is_answer, is_ok, is_one, to_late
+from .tally import Tally, is_answer, is_ok, is_one, to_late, to_not_granted
 from .tally import retraction as retraction_of
 from .transport.commands import DELETED, GRANTED, HELD, Command, Outcome
 from .transport.interface import Exchange
@@ -121,6 +121,7 @@ def attempt(
     retraction: Command | None = None,
     seen: list[Outcome] | None = None,
     undo: Command | None = None,
+    tidy: Command | None = None,
 ) -> Steps[tuple[float, list[Vote], float]]:
     """One acquire attempt: (validity, votes, elapsed); validity > 0 means acquired. See
     ``Redlock.try_acquire`` for the arguments."""
@@ -146,10 +147,15 @@ def attempt(
     if granted >= redlock.quorum and validity > 0:
         if granted < len(votes):
             # A master that answered late may still set the key; retract it on the same
-            # link (not waited for) so the key cannot outlive our release.
-            late = to_late(votes, retraction or commands.release.pack(key, token))
-            if any(late):
-                yield Send(late, redlock.request_timeout)
+            # link (not waited for) so the key cannot outlive our release. A kind with a
+            # ``tidy`` sends it to every master that did not grant: it retracts a late grant
+            # too, and undoes what the grant would have done where it was refused.
+            if tidy is not None:
+                rest = to_not_granted(votes, tidy)
+            else:
+                rest = to_late(votes, retraction or commands.release.pack(key, token))
+            if any(rest):
+                yield Send(rest, redlock.request_timeout)
         return validity, votes, elapsed
     retract = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
     if any(retract):

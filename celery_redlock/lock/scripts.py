@@ -579,6 +579,35 @@ return 1
 """,
 )
 
+# HANDOVER_TIDY (a run took its key over on a quorum; sent to every master that did not grant)
+#   KEYS[1]  the lock key; also the channel a deletion of it is published on
+#   KEYS[2]  the task's side key
+#   ARGV[1]  the run's token
+#   ARGV[2]  the marker's value, as the message carries it (as placed)
+#   ARGV[3]  its published form
+#   returns  1 if the side key held the marker (either form) and was deleted, else 0
+# A master that refused the HANDOVER (another holder had the key there) keeps the marker beside the
+# key: its message is running, so that copy names nothing queued, and a few such copies left on a
+# minority by runs that followed one another split every later publish of the task (PLACE answers
+# its own marker there, the free masters grant, no quorum either way) for the marker's whole TTL. A
+# master whose answer was late may still apply the HANDOVER after this: the token it would set
+# there is released in the same step, as a granted attempt's late masters always are.
+HANDOVER_TIDY = Script(
+    "handover_tidy",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('DEL', KEYS[1])
+    redis.call('PUBLISH', KEYS[1], '*')
+end
+local beside = redis.call('GET', KEYS[2])
+if beside and (beside == ARGV[2] or beside == ARGV[3]) then
+    redis.call('DEL', KEYS[2])
+    return 1
+end
+return 0
+""",
+)
+
 # REQUEUE (a run gives its key back to the marker of the message it re-published itself as)
 #   KEYS[1]  the lock key; also the channel the swap is published on
 #   ARGV[1]  the run's token

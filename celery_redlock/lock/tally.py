@@ -77,3 +77,9 @@ def to_late(votes: Sequence[Vote], release: C) -> list[C | None]:
     """A granted attempt's release for the masters whose answer was late: each may still set
     the key after our release, so the retraction follows its SET on the same link."""
     return [release if vote.kind == "timeout" else None for vote in votes]
+
+
+def to_not_granted(votes: Sequence[Vote], command: C) -> list[C | None]:
+    """A granted attempt's ``command`` for every master that did not grant it (refused, late,
+    or not answering: kept for its next link)."""
+    return [None if vote.kind == "yes" else command for vote in votes]

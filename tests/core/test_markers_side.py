@@ -162,3 +162,44 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     assert take(run)
     assert rl.read_everywhere(side) == [None] * 5
     run.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_takeover_granted_by_a_quorum_deletes_its_marker_where_the_key_was_held(
+    rl: Redlock, masters: ServerSet
+) -> None:
+    """A run that takes its key over on a quorum while another holder still has it on the other
+    masters (its release on its way) must not leave its marker beside the key there: its message
+    is running, and a few such copies left on a minority by runs that follow one another answer
+    every later publish of the task with its own marker on some masters while the others are
+    free, so no round reaches a quorum either way, and each publish is refused for the marker's
+    whole TTL (CI: every publisher of a burst refused for its publish window)."""
+    side = markers.side_key(rl.key_prefix, "tidy", "task-b")
+    key = f"{rl.key_prefix}tidy"
+    other = rl.lock("tidy", ttl=10, holder="a run of task A")
+    take_everywhere(other)
+    assert other.token is not None
+    record = HolderRecord(name="task-b", ttl=30.0, queued=True)
+    first = markers.new_value(record.to_text(task="b1", since=time.time()))
+    assert markers.place_beside(rl, "tidy", side, first, 10, other.token).key == side
+    assert markers.keep(rl, side, first, 10)[0]
+
+    # A's release has reached three masters: the run takes the key on them, and the two that
+    # still hold A's token refuse it.
+    _hold_on(masters, [0, 1, 2], key, None)
+    run = markers.HandoverLock(rl, "tidy", 10, marker=first, side=side)
+    assert run.acquire(blocking=False), run.last_error
+    assert sorted(vote.kind for vote in run.last_votes) == ["held", "held", "yes", "yes", "yes"]
+    deadline = time.monotonic() + 5
+    while rl.read_everywhere(side) != [None] * 5:
+        assert time.monotonic() < deadline, f"the marker stayed beside the key: {rl.read_everywhere(side)}"
+        time.sleep(0.01)
+    assert rl.read_everywhere(key)[3:] == [other.token.encode()] * 2, "another holder's key was touched"
+    run.release()
+    _hold_on(masters, [3, 4], key, None)
+
+    # The task's next publish is placed at once: nothing of the run's message is left to split it.
+    again = markers.new_value(record.to_text(task="b2", since=time.time()))
+    placed = markers.place(rl, "tidy", side, again, 10)
+    assert placed.value == again, placed.votes
+    markers.drop(rl, "tidy", again)

@@ -336,6 +336,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/markers.py", "undo=self._retraction(token, entry),", "undo=None,"),),
     ),
     Mutant(
+        "handover_leaves_its_marker_beside_held_keys",
+        "a run's marker stays beside the key where it was held: its task's publishes are refused",
+        (
+            "tests/core/test_markers_side.py::"
+            "test_a_takeover_granted_by_a_quorum_deletes_its_marker_where_the_key_was_held[embedded]",
+        ),
+        (Edit("celery_redlock/lock/markers.py", "tidy=self._tidy(token),", "tidy=None,"),),
+    ),
+    Mutant(
         "release_publishes_nothing",
         "waiters are not woken by a release, only by their fallback poll",
         ("tests/core/test_waiting.py::test_woken_by_release_not_by_polling[embedded]",),
