@@ -216,7 +216,20 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
                     holders.pop(name, None)
                 lock.release()
 
+        # How late a 10 ms sleep wakes, per phase: what the interpreter and the host add to
+        # any wait (40 threads on two cores, or one beside a busy process), measured where the
+        # faults are, not only before them: a reconnect storm loads the interpreter too.
+        overshoot = {"healthy": 0.0, "faults": 0.0}
+
+        def probe() -> None:
+            while time.monotonic() < stop:
+                started = time.monotonic()
+                time.sleep(0.01)
+                phase = "healthy" if started < faults_from[0] else "faults"
+                overshoot[phase] = max(overshoot[phase], time.monotonic() - started - 0.01)
+
         threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(40)]
+        threads.append(threading.Thread(target=probe, daemon=True))
         for thread in threads:
             thread.start()
         time.sleep(phase_length)
@@ -232,11 +245,12 @@ def test_many_threads_on_one_redlock_exclude_each_other_and_stay_bounded(
         assert not any(thread.is_alive() for thread in threads)
         assert not overlaps, overlaps[:5]
         # What a fault may add is the bound; what 40 threads waiting for the interpreter add is
-        # read from the healthy phase (with a floor for a quiet run's lucky second). A round
-        # that waited out the paused master (1.5 s) or the killed one's connects fails this.
-        # Capped below the pause: a baseline that slow must not let a 1.5 s wait pass.
-        scheduling = min(1.0, max(0.25, 2 * slowest["healthy"]))
-        assert slowest["faults"] < 2 * timeout + scheduling, slowest
+        # read from the healthy phase's slowest acquire, or from how late the probe woke during
+        # the faults (each doubled; with a floor for a quiet run's lucky second). A round that
+        # waited out the paused master (1.5 s) or the killed one's connects fails this. Capped
+        # below the pause: a baseline that slow must not let a 1.5 s wait pass.
+        scheduling = min(1.0, max(0.25, 2 * slowest["healthy"], 2 * overshoot["faults"]))
+        assert slowest["faults"] < 2 * timeout + scheduling, (slowest, overshoot)
         assert wait_for(
             lambda: all(holding(masters, f"redlock:shared-{i}") == [0, 0, 0] for i in range(4)), 5.0
         ), [holding(masters, f"redlock:shared-{i}") for i in range(4)]
