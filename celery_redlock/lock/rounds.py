@@ -157,6 +157,10 @@ def attempt(
             if any(rest):
                 yield Send(rest, redlock.request_timeout)
         return validity, votes, elapsed
+    if granted == 0 and outcomes.count(HELD) == len(outcomes):
+        # Refused by every master (a contended loop's usual round): nobody holds our token,
+        # nothing is packed or sent.
+        return min(validity, 0.0), votes, elapsed
     retract = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
     if any(retract):
         yield Send(retract, redlock.request_timeout)
