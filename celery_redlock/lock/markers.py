@@ -281,12 +281,11 @@ class HandoverLock(Lock):
 
     def _tidy(self, token: str) -> Command | None:
         """What a granted attempt sends to the masters that did not grant it: HANDOVER_TIDY,
-        which deletes the marker beside the key there (see scripts.py) and retracts a late
-        grant. Without a side key nothing is left beside the key: None (a late master gets the
-        plain release)."""
-        if self._side is None:
-            return None
-        return HANDOVER_TIDY.pack(self.key, self._side, token, self.marker, self._published)
+        which deletes the marker there, on the lock key or beside it (see scripts.py), and
+        retracts a late grant. Without a side key (no owner known) the marker's key is the
+        lock key alone, and its ``side`` is a name no marker is ever set on."""
+        side = self._side if self._side is not None else self.key + SIDE_SEPARATOR
+        return HANDOVER_TIDY.pack(self.key, side, token, self.marker, self._published)
 
     def _retraction(self, token: str, entry: Entry | None) -> Command | None:
         """What a failed attempt sends where it may have taken the key: HANDOVER_RETRACT, which

@@ -16,7 +16,7 @@ master may have applied it) before it lets the exception go; the blocking driver
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Vote
@@ -144,27 +144,43 @@ def attempt(
         expiry.append(redlock._free_at(outcomes, t_start + elapsed))
     if seen is not None:
         seen.extend(outcomes)
-    if granted >= redlock.quorum and validity > 0:
-        if granted < len(votes):
-            # A master that answered late may still set the key; retract it on the same
-            # link (not waited for) so the key cannot outlive our release. A kind with a
-            # ``tidy`` sends it to every master that did not grant: it retracts a late grant
-            # too, and undoes what the grant would have done where it was refused.
-            if tidy is not None:
-                rest = to_not_granted(votes, tidy)
-            else:
-                rest = to_late(votes, retraction or commands.release.pack(key, token))
-            if any(rest):
-                yield Send(rest, redlock.request_timeout)
-        return validity, votes, elapsed
-    if granted == 0 and outcomes.count(HELD) == len(outcomes):
+    won = granted >= redlock.quorum and validity > 0
+
+    def release() -> Command:
+        return retraction or commands.release.pack(key, token)
+
+    follow = _follow_up(won, votes, granted, outcomes, release, undo, tidy)
+    if follow is not None:
+        yield Send(follow, redlock.request_timeout)
+    return (validity if won else min(validity, 0.0)), votes, elapsed
+
+
+def _follow_up(
+    won: bool,
+    votes: list[Vote],
+    granted: int,
+    outcomes: list[Outcome],
+    release: Callable[[], Command],
+    undo: Command | None,
+    tidy: Command | None,
+) -> list[Command | None] | None:
+    """What an attempt sends once its round is counted, nobody waiting for the replies (see
+    ``Redlock.try_acquire``); None when nothing is to be sent."""
+    if won:
+        if granted == len(votes):
+            return None
+        # A master that answered late may still set the key; retract it on the same link (not
+        # waited for) so the key cannot outlive our release. A kind with a ``tidy`` sends it to
+        # every master that did not grant: it retracts a late grant too, and undoes what the
+        # grant would have done where it was refused.
+        rest = to_not_granted(votes, tidy) if tidy is not None else to_late(votes, release())
+    elif granted == 0 and outcomes.count(HELD) == len(outcomes):
         # Refused by every master (a contended loop's usual round): nobody holds our token,
         # nothing is packed or sent.
-        return min(validity, 0.0), votes, elapsed
-    retract = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
-    if any(retract):
-        yield Send(retract, redlock.request_timeout)
-    return min(validity, 0.0), votes, elapsed
+        return None
+    else:
+        rest = retraction_of(votes, undo or release())
+    return rest if any(rest) else None
 
 
 def _grants(redlock: Rules, outcomes: list[Outcome]) -> tuple[list[Vote], int]:

@@ -5,7 +5,7 @@ source only where it is missing.** Each script command is built by
 ``transport.commands.script_template`` as ``EVALSHA <sha1> ...``: 40 bytes instead of the source
 (a release 137 bytes instead of 239, a fair acquire 411 instead of 1987; no slower on loopback).
 A master that answers NOSCRIPT ran nothing (restarted, ``SCRIPT FLUSH``): the transport, not the
-caller, sends it the ``EVAL`` form of the same command (found through the registry below) on the
+caller, sends it the ``EVAL`` form of the same command (found through the registry in ``script.py``) on the
 same link by the same deadline; the caller sees only the script's reply.
 
 A reply nobody waits for (a release whose quorum answered, a retraction) cannot be resent by the
@@ -17,37 +17,9 @@ that gap, until each script's next EVAL there.
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass, field
-
-# Every script by its digest (hex), as Script registers itself: how a transport turns an
-# EVALSHA a master answered NOSCRIPT into the EVAL of the same script (see the module docstring).
-_BY_DIGEST: dict[str, Script] = {}
-
-
-@dataclass(frozen=True)
-class Script:
-    name: str
-    source: str
-    # False for a script sent to a data server (the fenced resources), never to a lock master:
-    # a new link to a master loads only the others.
-    on_masters: bool = True
-    sha1: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "sha1", hashlib.sha1(self.source.encode()).hexdigest())
-        _BY_DIGEST.setdefault(self.sha1, self)
-
-
-def by_digest(sha1: str) -> Script | None:
-    """The registered script whose digest is ``sha1`` (hex), or None."""
-    return _BY_DIGEST.get(sha1)
-
-
-def for_masters() -> list[Script]:
-    """Every registered script a lock master runs, in the order they were defined."""
-    return [script for script in _BY_DIGEST.values() if script.on_masters]
-
+from .script import Script as Script
+from .script import by_digest as by_digest
+from .script import for_masters as for_masters
 
 # Acquire is not a script: a plain ``SET key token NX PX ttl`` is the cheapest grant a master can
 # give (a script costs each master ~10 us more per try, paid on every contended attempt).
@@ -582,29 +554,27 @@ return 1
 # HANDOVER_TIDY (a run took its key over on a quorum; sent to every master that did not grant)
 #   KEYS[1]  the lock key; also the channel a deletion of it is published on
 #   KEYS[2]  the task's side key
-#   ARGV[1]  the run's token
-#   ARGV[2]  the marker's value, as the message carries it (as placed)
-#   ARGV[3]  its published form
-#   returns  1 if the side key held the marker (either form) and was deleted, else 0
-# A master that refused the HANDOVER (another holder had the key there) keeps the marker beside the
-# key: its message is running, so that copy names nothing queued, and a few such copies left on a
-# minority by runs that followed one another split every later publish of the task (PLACE answers
-# its own marker there, the free masters grant, no quorum either way) for the marker's whole TTL. A
-# master whose answer was late may still apply the HANDOVER after this: the token it would set
-# there is released in the same step, as a granted attempt's late masters always are.
+#   ARGV[1]  the run's token; ARGV[2] the marker's value as placed; ARGV[3] its published form
+#   returns  how many of the two keys it deleted: each one that held the token or the marker
+# Where the HANDOVER was refused (another holder) or not answered, a copy of the marker is left
+# that names a message already running; copies on a minority split every later publish of the
+# task (PLACE: its own marker there, free elsewhere) for the marker's TTL. A late HANDOVER's token
+# goes too. GET by pcall: a reentrant lock's hash is an error value, equal to nothing.
 HANDOVER_TIDY = Script(
     "handover_tidy",
     """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+local deleted = 0
+local held = redis.pcall('GET', KEYS[1])
+if held == ARGV[1] or held == ARGV[2] or held == ARGV[3] then
     redis.call('DEL', KEYS[1])
     redis.call('PUBLISH', KEYS[1], '*')
+    deleted = 1
 end
 local beside = redis.call('GET', KEYS[2])
-if beside and (beside == ARGV[2] or beside == ARGV[3]) then
-    redis.call('DEL', KEYS[2])
-    return 1
+if beside == ARGV[2] or beside == ARGV[3] then
+    deleted = deleted + redis.call('DEL', KEYS[2])
 end
-return 0
+return deleted
 """,
 )
 

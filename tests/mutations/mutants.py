@@ -345,6 +345,48 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/markers.py", "tidy=self._tidy(token),", "tidy=None,"),),
     ),
     Mutant(
+        "tidy_leaves_the_marker_on_the_lock_key",
+        "a marker on the lock key of a master down at the takeover outlives the run there",
+        (
+            "tests/review31/test_review31_tidy.py::test_a_takeover_with_a_master_unreachable_leaves_no_marker_on_its_lock_key",
+        ),
+        (
+            Edit(
+                SCRIPTS,
+                "if held == ARGV[1] or held == ARGV[2] or held == ARGV[3] then",
+                "if held == ARGV[1] then",
+            ),
+        ),
+    ),
+    Mutant(
+        "tidy_deletes_any_marker_beside_the_key",
+        "a late tidy deletes a later message's marker: a duplicate publish is accepted",
+        (
+            "tests/review31/test_review31_tidy.py::test_a_tidy_written_late_leaves_a_later_messages_marker_beside_the_key",
+        ),
+        (
+            Edit(
+                SCRIPTS,
+                "if beside == ARGV[2] or beside == ARGV[3] then",
+                "if beside then",
+            ),
+        ),
+    ),
+    Mutant(
+        "tidy_only_for_masters_that_refused",
+        "a master down at the takeover keeps the run's marker beside the key",
+        (
+            "tests/review31/test_review31_tidy.py::test_a_tidy_kept_for_a_master_that_was_down_deletes_the_marker_beside_the_key_there",
+        ),
+        (
+            Edit(
+                TALLY,
+                'return [None if vote.kind == "yes" else command for vote in votes]',
+                'return [command if vote.kind == "held" else None for vote in votes]',
+            ),
+        ),
+    ),
+    Mutant(
         "release_publishes_nothing",
         "waiters are not woken by a release, only by their fallback poll",
         ("tests/core/test_waiting.py::test_woken_by_release_not_by_polling[embedded]",),
