@@ -9,7 +9,8 @@ Configured from the environment by the fixtures in ``conftest.py``:
   entry with ``"crontab": {field: value}`` instead of ``"every"`` runs on that crontab.
 - ``BEAT_TEST_CONF``: JSON of extra settings (``redlock_beat_*``, ``beat_scheduler``).
 - ``BEAT_TEST_RECORD``: set in beat processes; each message they publish is recorded in
-  ``<key>:sent`` (key = the task's first argument) with the publishing pid and time.
+  ``<key>:sent`` (key = the task's first argument) with the publishing pid and time as the
+  publish begins, and in ``<key>:published`` once it reached the broker.
 
 Workers record each run of a task body in ``<key>:runs`` (``stamped`` with the slot stamp the
 message carried) and each finished message (run or skipped) in ``<key>:done``.
@@ -25,7 +26,7 @@ from typing import Any
 import redis
 from celery import Celery
 from celery.schedules import crontab
-from celery.signals import before_task_publish, task_postrun
+from celery.signals import after_task_publish, before_task_publish, task_postrun
 
 from celery_redlock.celery.slots import SLOT_HEADER
 from celery_redlock.celery.task import RedlockTask, is_skipped
@@ -109,6 +110,14 @@ if os.environ.get("BEAT_TEST_RECORD"):
                 t=time.time(),
                 slot=headers.get("redlock_slot"),
             )
+
+    @after_task_publish.connect(weak=False)
+    def _note_published(body: Any = None, headers: Any = None, **_: Any) -> None:
+        # Apart from the send above: a beat stopped by SIGTERM (a warm shutdown raises
+        # SystemExit wherever its main thread is) may have recorded a send it never published.
+        args = body[0] if isinstance(body, tuple) and body else []
+        if args:
+            _push(f"{args[0]}:published", id=(headers or {}).get("id"))
 
 
 @task_postrun.connect(weak=False)

@@ -148,13 +148,23 @@ class Records:
     def sent_by(self, pid: int) -> list[dict[str, Any]]:
         return [s for s in self.sent() if s["pid"] == pid]
 
+    def published(self) -> list[dict[str, Any]]:
+        """The sends that reached the broker (a beat stopped mid-publish recorded a send only)."""
+        return self._list("published")
+
     def wait_all_done(self, timeout: float = 20.0) -> None:
-        """Until the worker finished (ran or skipped) every message the beats sent."""
+        """Until the worker finished (ran or skipped) every message the beats published."""
 
-        def finished() -> bool:
-            return {s["id"] for s in self.sent()} <= {d["id"] for d in self.done()}
+        def missing() -> set[str]:
+            return {p["id"] for p in self.published()} - {d["id"] for d in self.done()}
 
-        wait_until(finished, timeout, "the worker to finish every sent message")
+        try:
+            wait_until(lambda: not missing(), timeout, "the worker to finish every published message")
+        except AssertionError as error:
+            ids = missing()
+            sends = [s for s in self.sent() if s["id"] in ids]
+            runs = [r for r in self.runs() if r["id"] in ids]
+            raise AssertionError(f"{error}; not finished: their sends {sends}, their runs {runs}") from None
 
 
 @pytest.fixture
