@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 from ..errors import MastersUnavailable
 from ..lock import markers
@@ -105,7 +105,7 @@ def carried_fingerprint(request: Any) -> str | None:
 def marker_of(request: Any) -> tuple[str, str] | None:
     """(resource name, marker value) from a request's ``redlock_marker`` header, if any."""
     raw = _header(request)
-    if isinstance(raw, Mapping):
+    if raw is not None and _is_mapping(raw):
         name, value = raw.get("name"), raw.get("value")
         if isinstance(name, str) and isinstance(value, str):
             return name, value
@@ -116,13 +116,19 @@ def _header(request: Any) -> Any:
     raw = getattr(request, MARKER_HEADER, None)
     if raw is None:
         headers = getattr(request, "headers", None)
-        if isinstance(headers, Mapping):
+        if _is_mapping(headers):
             raw = headers.get(MARKER_HEADER)
     if raw is None:
         request_dict = getattr(request, "request_dict", None)  # a worker Request, not a Context
-        if isinstance(request_dict, Mapping):
+        if _is_mapping(request_dict):
             raw = request_dict.get(MARKER_HEADER)
     return raw
+
+
+def _is_mapping(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """``isinstance(value, Mapping)``, with the usual answers (a dict, None) found first: every
+    run asks, and the abstract class's check is a Python call."""
+    return type(value) is dict or (value is not None and isinstance(value, Mapping))
 
 
 def release_revoked_marker(sender: Any = None, request: Any = None, **_: Any) -> None:

@@ -161,6 +161,8 @@ class Redlock(Settings):
         resource to refuse a paused holder's late write (:mod:`celery_redlock.fenced`). Costs a
         second round per grant. Not combined with ``reentrant`` or ``fair``.
         """
+        if reentrant is False and fair is False and fenced is False:  # the usual call: no checks
+            return Lock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
         kind = lock_kind(reentrant=reentrant, fair=fair, fenced=fenced)
         if kind == "fenced":
             return FencedLock(self, name, ttl, timeout=timeout, blocking=blocking, holder=holder)
@@ -213,22 +215,19 @@ class Redlock(Settings):
         ``retraction``, unless the kind gives a ``tidy``: then every master that did not grant a
         granted attempt is sent that (it must retract a late grant as well).
         """
-        steps = rounds.attempt(
-            self,
-            key,
-            token,
-            ttl,
-            commands,
-            expiry,
-            acquires=acquires,
-            retraction=retraction,
-            seen=seen,
-            undo=undo,
-            tidy=tidy,
-        )
-        first = next(steps)  # its clock starts here, before the round takes or makes any link
+        # rounds.attempt's two steps, run here without its generator (the hot path of every
+        # lock). Its clock starts before the round takes or makes any link.
+        t_start = now()
+        if acquires is None:
+            acquires = rounds.acquiring(self, key, token, ttl, commands)
         with self._round() as rnd:
-            return drive(steps, rnd, first)
+            outcomes = rnd.call(acquires, self.request_timeout)
+            result, follow = rounds.counted(
+                self, outcomes, t_start, key, token, ttl, commands, expiry, seen, retraction, undo, tidy
+            )
+            if follow is not None:
+                rnd.send(follow, self.request_timeout)
+        return result
 
     def try_extend(
         self, key: str, token: str, ttl: float, commands: Commands = PLAIN

@@ -161,7 +161,7 @@ class Lock(LockState):
         """
         if timeout is not None or (blocking is not True and blocking is not False):
             timeout = check_wait(blocking, timeout)
-        if self.owned():
+        if self._token is not None and self.owned():  # no token: not owned (one read, no call)
             raise RedlockError(f"lock {self.name!r} is already held by this Lock")
         redlock = self.redlock
         deadline = None if timeout is None else now() + timeout

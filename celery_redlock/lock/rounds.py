@@ -8,6 +8,8 @@ granted one does) is made here, between two yields. What carries the requests is
 :func:`drive` runs an operation over a blocking :class:`~.transport.interface.Exchange`, and
 ``celery_redlock.lock.aio.exchange.drive`` over an asyncio one. All of one operation's
 requests go through one exchange, so they reach each master in the order they were yielded.
+The acquire attempt, every lock's hot path, is also written as its two steps (:func:`acquiring`,
+:func:`counted`), which the blocking ``Redlock.try_acquire`` runs without a generator.
 
 An asyncio driver whose task is cancelled while a request is out throws :class:`Interrupted`
 into the operation, which may yield a :class:`Send` of what undoes the round in flight (any
@@ -16,7 +18,7 @@ master may have applied it) before it lets the exception go; the blocking driver
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from ..errors import Vote
@@ -28,6 +30,8 @@ from .transport.commands import DELETED, GRANTED, HELD, Command, Outcome
 from .transport.interface import Exchange
 
 T = TypeVar("T")
+# What an acquire attempt comes to: (validity, votes, elapsed); validity > 0 means acquired.
+Attempted = tuple[float, list[Vote], float]
 
 
 class Call:
@@ -122,21 +126,51 @@ def attempt(
     seen: list[Outcome] | None = None,
     undo: Command | None = None,
     tidy: Command | None = None,
-) -> Steps[tuple[float, list[Vote], float]]:
+) -> Steps[Attempted]:
     """One acquire attempt: (validity, votes, elapsed); validity > 0 means acquired. See
-    ``Redlock.try_acquire`` for the arguments."""
+    ``Redlock.try_acquire`` for the arguments, and for the same two steps (:func:`acquiring`,
+    then :func:`counted`) run without a generator: every lock's hot path."""
     # Taken before the round makes any missing connection: all of the round, connects
     # included, is spent out of the TTL (and Lock counts its validity from earlier still).
     t_start = now()
-    n = len(redlock.tally.names)
     if acquires is None:
-        acquires = [commands.acquire.pack(key, token, milliseconds(ttl))] * n
+        acquires = acquiring(redlock, key, token, ttl, commands)
     try:
         outcomes = yield Call(acquires, redlock.request_timeout)
     except Interrupted:
         # Any master may have set the key: all of them get what undoes it.
-        yield Send([undo or retraction or commands.release.pack(key, token)] * n, redlock.request_timeout)
+        undone = undo or retraction or commands.release.pack(key, token)
+        yield Send([undone] * len(acquires), redlock.request_timeout)
         raise
+    result, follow = counted(
+        redlock, outcomes, t_start, key, token, ttl, commands, expiry, seen, retraction, undo, tidy
+    )
+    if follow is not None:
+        yield Send(follow, redlock.request_timeout)
+    return result
+
+
+def acquiring(redlock: Rules, key: str, token: str, ttl: float, commands: Commands) -> list[Command]:
+    """An attempt's acquire, the same for every master."""
+    return [commands.acquire.pack(key, token, milliseconds(ttl))] * len(redlock.tally.names)
+
+
+def counted(
+    redlock: Rules,
+    outcomes: list[Outcome],
+    t_start: float,
+    key: str,
+    token: str,
+    ttl: float,
+    commands: Commands,
+    expiry: list[float] | None,
+    seen: list[Outcome] | None,
+    retraction: Command | None,
+    undo: Command | None,
+    tidy: Command | None,
+) -> tuple[Attempted, list[Command | None] | None]:
+    """An attempt begun at ``t_start`` whose masters answered ``outcomes``: its (validity, votes,
+    elapsed), and what it then sends, nobody waiting for the replies (None: nothing)."""
     elapsed = now() - t_start
     votes, granted = _grants(redlock, outcomes)
     validity = ttl - elapsed - redlock.drift(ttl)
@@ -145,49 +179,33 @@ def attempt(
     if seen is not None:
         seen.extend(outcomes)
     won = granted >= redlock.quorum and validity > 0
-
-    def release() -> Command:
-        return retraction or commands.release.pack(key, token)
-
-    follow = _follow_up(won, votes, granted, outcomes, release, undo, tidy)
-    if follow is not None:
-        yield Send(follow, redlock.request_timeout)
-    return (validity if won else min(validity, 0.0)), votes, elapsed
-
-
-def _follow_up(
-    won: bool,
-    votes: list[Vote],
-    granted: int,
-    outcomes: list[Outcome],
-    release: Callable[[], Command],
-    undo: Command | None,
-    tidy: Command | None,
-) -> list[Command | None] | None:
-    """What an attempt sends once its round is counted, nobody waiting for the replies (see
-    ``Redlock.try_acquire``); None when nothing is to be sent."""
     if won:
         if granted == len(votes):
-            return None
+            return (validity, votes, elapsed), None
         # A master that answered late may still set the key; retract it on the same link (not
         # waited for) so the key cannot outlive our release. A kind with a ``tidy`` sends it to
         # every master that did not grant: it retracts a late grant too, and undoes what the
         # grant would have done where it was refused.
-        rest = to_not_granted(votes, tidy) if tidy is not None else to_late(votes, release())
-    elif granted == 0 and outcomes.count(HELD) == len(outcomes):
+        if tidy is not None:
+            rest = to_not_granted(votes, tidy)
+        else:
+            rest = to_late(votes, retraction or commands.release.pack(key, token))
+    elif granted == 0 and outcomes[0] is HELD and outcomes.count(HELD) == len(outcomes):
         # Refused by every master (a contended loop's usual round): nobody holds our token,
         # nothing is packed or sent.
-        return None
+        return (min(validity, 0.0), votes, elapsed), None
     else:
-        rest = retraction_of(votes, undo or release())
-    return rest if any(rest) else None
+        rest = retraction_of(votes, undo or retraction or commands.release.pack(key, token))
+    return (validity if won else min(validity, 0.0), votes, elapsed), (rest if any(rest) else None)
 
 
 def _grants(redlock: Rules, outcomes: list[Outcome]) -> tuple[list[Vote], int]:
     """An acquire round's votes, and how many granted."""
-    if outcomes.count(GRANTED) == len(outcomes):  # the usual rounds: compared by identity
+    # The usual rounds, compared by identity: the first outcome tells which to count.
+    first = outcomes[0]
+    if first is GRANTED and outcomes.count(GRANTED) == len(outcomes):
         return list(redlock.tally.granted), len(outcomes)
-    if outcomes.count(HELD) == len(outcomes):
+    if first is HELD and outcomes.count(HELD) == len(outcomes):
         return list(redlock.tally.refused), 0
     return redlock.tally.votes(outcomes, is_ok)
 

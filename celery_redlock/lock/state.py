@@ -108,7 +108,7 @@ class LockState:
         self.ttl = redlock.ttl if ttl is None else redlock.check_ttl("ttl", ttl)
         # Checked now, not at the first ``with``, so a bad value fails where it was written.
         self._timeout = None if timeout is None else wait_timeout("timeout", timeout)
-        self._blocking = flag("blocking", blocking)
+        self._blocking = blocking if blocking is True or blocking is False else flag("blocking", blocking)
         if not isinstance(holder, str) or "\n" in holder or "\r" in holder:
             raise ConfigError(f"holder must be a str without line breaks, got {holder!r}")
         # Appended to every token of this lock: the token stays unique per acquisition (its

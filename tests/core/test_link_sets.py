@@ -452,3 +452,31 @@ def test_tls_links_park_owe_and_notice_a_close(tls_masters: list[tuple[object, s
                 client.close()
         assert keep.release() is True  # on new links, answered by every master
         assert not any(exists_on(server, "redlock:tls-kept") for server in servers)
+
+
+def test_a_link_dropped_mid_round_is_never_used_again(masters: ServerSet) -> None:
+    """A link a round drops (its write or read failed) is closed, and the round's links go back
+    one by one: the set they came from is never parked again with the dead link in it. Its
+    descriptor number is free for the next socket the process opens, so a set parked with it
+    would pass the next round's idle check by watching that other socket, and send to a closed
+    one: that master's vote lost for nothing."""
+    with Redlock(masters.urls, ttl=10.0) as redlock:
+        lock = redlock.lock("dropped-link")
+        assert lock.acquire(blocking=False)
+        lock.release()  # the round's links are parked as one set
+        rnd = redlock._round()
+        dropped = rnd.links[0]
+        assert dropped is not None
+        rnd._drop(0, ConnectionError("reset, as the test says"))  # what a failed recv does
+        rnd.close()
+        # The next socket of this process takes the dropped link's descriptor number.
+        other = list(masters)[0].client()
+        try:
+            other.ping()
+            assert lock.acquire(blocking=False)
+            assert [vote.kind for vote in lock.last_votes] == ["yes"] * len(masters.urls)
+            with redlock._round() as nxt:
+                assert all(link is not dropped for link in nxt.links)
+            lock.release()
+        finally:
+            other.close()

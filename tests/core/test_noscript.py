@@ -223,7 +223,7 @@ def test_the_caller_sees_the_scripts_replies_never_noscript(masters: ServerSet, 
                 ("ok", b"OK"),
                 ("ok", 1),
                 # Read before the release's EVAL ran: a command resent after NOSCRIPT runs after
-                # the batch's later ones (batches hold other keys: see Round._await_batch).
+                # the batch's later ones (batches hold other keys: see transport.batch.await_batch).
                 ("ok", 1),
             ], replies
     assert not any(holding(masters, "redlock:a"))

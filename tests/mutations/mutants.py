@@ -964,6 +964,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit(MASTER, "            if not (self._closed or self.refusal):\n", "            if True:\n"),),
     ),
     Mutant(
+        "dropped_link_parked_again",
+        "a round that drops a link parks the set it took, dead link included: the next socket "
+        "takes its descriptor, and that master's vote is lost",
+        ("tests/core/test_link_sets.py::test_a_link_dropped_mid_round_is_never_used_again[embedded]",),
+        (Edit(ROUND, "        self._linkset = None  # see __init__\n", ""),),
+    ),
+    Mutant(
         "connects_share_a_small_pool",
         "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
         "a whole timeout late, and a healthy Redlock waits for another's unreachable master",

@@ -40,6 +40,10 @@ NOT_AWAITED = Outcome("timeout", detail="not waited for once a quorum had answer
 COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}
 
 
+# What one recv usually holds (see wire.SHORT_RUNS), as (how many replies, the last one's outcome).
+SHORT_OUTCOMES = {data: (count, COMMON_OK[reply]) for data, (count, reply) in wire.SHORT_RUNS.items()}
+
+
 def common_outcome(value: Any) -> Outcome:
     """The shared outcome of a reply ``value`` (b"OK", 1, 0 or None): compare by identity."""
     return COMMON_OK[value]

@@ -124,9 +124,9 @@ class Link:
         except NOT_READY:
             sent = 0
         if sent < len(packed):
-            self._send_rest(memoryview(packed)[sent:], deadline)
+            self.send_rest(memoryview(packed)[sent:], deadline)
 
-    def _send_rest(self, data: memoryview, deadline: float) -> None:
+    def send_rest(self, data: memoryview, deadline: float) -> None:
         """Write what a send left over, by ``deadline``: only when the socket buffer is full,
         i.e. the master has stopped reading."""
         poller = waiting.poll()
@@ -156,36 +156,32 @@ class Link:
                 self.reader.feed(sock.recv(RECV_SIZE))
 
     def read_reply(self) -> Any:
-        """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``."""
+        """Take whatever has arrived, then this link's next own reply or ``wire.NOTHING``.
+
+        A round reads the usual reply (nothing buffered, no TLS) with a bare ``recv`` of its own
+        (see ``Round._read``), and hands what that returned to :meth:`take` unless it was the
+        usual short line."""
         reader = self.reader
-        if reader._position < len(reader._buffer):  # reader.buffered(), inlined: once per reply
-            # Bytes already read in (the later replies of a pipelined batch) may hold the reply
-            # whole: it is taken without a system call; only a part of one waits for more.
-            if not self.owed or self.skip_owed():
-                reply = reader.get()
-                if reply is not wire.NOTHING:
-                    return reply
-            self.fill()
-        elif self.tls:
-            self.fill()
-        else:
-            try:
-                data = self.sock.recv(RECV_SIZE)
-            except NOT_READY:
-                return wire.NOTHING  # nothing buffered and nothing new
-            if not data:
-                raise RedisConnectionError("the master closed the connection")
-            # The usual recv: exactly the owed replies and ours, each a short line. Taken whole,
-            # it needs no parsing; anything else goes through the reader.
-            run = wire.SHORT_RUNS.get(data)
-            if run is not None and run[0] == self.owed + 1:
-                self.owed = 0
-                self.late = False
-                return run[1]
-            reader.feed(data)
+        # Bytes already read in (the later replies of a pipelined batch) may hold the reply
+        # whole: it is taken without a system call; only a part of one waits for more.
+        if reader._position < len(reader._buffer) and (not self.owed or self.skip_owed()):
+            reply = reader.get()
+            if reply is not wire.NOTHING:
+                return reply
+        self.fill()
         if self.owed and not self.skip_owed():
             return wire.NOTHING
         return reader.get()
+
+    def take(self, data: bytes) -> Any:
+        """This link's next own reply or ``wire.NOTHING``, from ``data``, what a ``recv`` just
+        returned with nothing buffered before it."""
+        if not data:
+            raise RedisConnectionError("the master closed the connection")
+        self.reader.feed(data)
+        if self.owed and not self.skip_owed():
+            return wire.NOTHING
+        return self.reader.get()
 
     def skip_owed(self) -> bool:
         """Skip the owed replies already read in; True once none is owed."""

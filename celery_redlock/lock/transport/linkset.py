@@ -51,14 +51,18 @@ def sleep_on(pending: Sequence[Link | None], shared: LinkSet | None, remaining: 
 
 def settle(
     masters: Sequence[Master], links: list[Link | None], fds: list[int], events: list[tuple[int, int]]
-) -> None:
-    """Replace in ``links`` every link that ``poll`` found closed (``fds[i]`` is link i's)."""
+) -> bool:
+    """Replace in ``links`` every link that ``poll`` found closed (``fds[i]`` is link i's), by
+    another idle link or None; whether any was replaced."""
+    replaced = False
     for fd, event in events:
         i = fds.index(fd)
         link = links[i]
         if link is not None and not link.settle(event):
             link.close()
             links[i] = pop_usable(masters[i]._idle)
+            replaced = True
+    return replaced
 
 
 class LinkSet:

@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from ...errors import ConfigError
 from .. import wire
+from .batch import await_batch
 from .commands import (
     COMMON_OK,
     LATE,
@@ -20,15 +21,15 @@ from .commands import (
     NOT_SENT,
     QUEUED_BEHIND_LATE,
     REPLY_ERROR,
+    SHORT_OUTCOMES,
     Command,
     Outcome,
     eval_form,
-    is_noscript,
     pack_command,
 )
 from .handshake import NOT_REDIS
 from .identity import identify
-from .link import IO_ERRORS, Link
+from .link import IO_ERRORS, NOT_READY, RECV_SIZE, Link
 from .linkset import LinkSet, checked, settle, sleep_on
 from .master import STILL_TRYING, Master
 
@@ -55,7 +56,7 @@ class Round:
 
     _unclean = False  # a link went late: the round's links go back one by one (see close)
     _deadline = 0.0  # the call under way's: a script resent after NOSCRIPT is written by it
-    _noscript = False  # a batch's reply was NOSCRIPT: see _await_batch
+    _noscript = False  # a batch's reply was NOSCRIPT: see batch.await_batch
     # A call under way. Left True only by an exception that cut a call short (a time limit's
     # SoftTimeLimitExceeded, KeyboardInterrupt, a green pool's Timeout, all raised wherever the
     # code happens to be): see close.
@@ -74,18 +75,21 @@ class Round:
                 if not linkset.trusted():
                     linkset.unpark(masters)
                     linkset = None
+        # INVARIANT: while ``_linkset`` is not None, ``links`` are exactly its links (so the set's
+        # poll object watches them, and the set is parked again as it is); a round that replaces
+        # or drops a link lets go of the set first.
         self._linkset = linkset
         links: list[Link | None]
         if linkset is not None:
             links = list(linkset.links)
             events = linkset.poller.poll(0)
-            if events:
-                settle(masters, links, linkset.fds, events)
+            if events and settle(masters, links, linkset.fds, events):
+                self._linkset = None
         else:
             links = checked(masters, [master.take_idle() for master in masters])
         self.links = links
         self.failures: list[str] = [""] * len(masters)
-        if None in self.links:
+        if self._linkset is None and None in links:  # a parked set has a link for every master
             self._find_links()
 
     def _find_links(self) -> None:
@@ -217,6 +221,7 @@ class Round:
         link = self.links[index]
         if link is not None:
             link.close()
+        self._linkset = None  # see __init__
         self.links[index] = None
         self.failures[index] = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, wire.ProtocolError):  # what came back is not RESP at all
@@ -263,10 +268,15 @@ class Round:
         # time once; every link after it is read without waiting.
         if enough:
             self._await_enough(waiting, commands, deadline, enough, outcomes)
-            waiting = []
-        for position, i in enumerate(waiting):
-            # The first master has had no time to answer yet: wait before the first read.
-            outcomes[i] = self._await(i, commands[i], deadline, read_first=position > 0)
+        elif waiting:
+            # The first master has had no time to answer yet: sleep on it before the first read.
+            # The others' replies have usually arrived by then, and are read without waiting.
+            first = self.links[waiting[0]]
+            assert first is not None
+            first.poller.poll(max(0.0, deadline - time.monotonic()) * 1000)
+            for i in waiting:
+                outcome = self._read(i, commands[i])
+                outcomes[i] = self._await(i, commands[i], deadline, False) if outcome is None else outcome
         if connecting is not None:
             for i in self._connected(connecting, commands, deadline, outcomes, waited=not keep):
                 outcomes[i] = self._await(i, commands[i], deadline, read_first=False)
@@ -311,10 +321,10 @@ class Round:
             else:
                 waiting.append(i)
         for position, i in enumerate(waiting):
-            results[i] = self._await_batch(i, batches[i], deadline, read_first=position > 0)
+            results[i] = await_batch(self, i, batches[i], deadline, read_first=position > 0)
         if connecting is not None:
             for i in self._connected(connecting, joined, deadline, firsts, waited=True):
-                results[i] = self._await_batch(i, batches[i], deadline, read_first=False)
+                results[i] = await_batch(self, i, batches[i], deadline, read_first=False)
             for i, _ in connecting:
                 if self.links[i] is None:
                     results[i] = [firsts[i]] * len(batches[i])
@@ -371,7 +381,14 @@ class Round:
                 packed = pack_command(command)
                 last = command
             try:
-                link.send(packed, deadline)
+                # Link.send, inlined (once per master per round): the whole command in one call,
+                # as a rule; only a full socket buffer waits, by the deadline.
+                try:
+                    written = link.sock.send(packed)
+                except NOT_READY:
+                    written = 0
+                if written < len(packed):
+                    link.send_rest(memoryview(packed)[written:], deadline)
             except IO_ERRORS as exc:
                 self._unsent(i, command, exc, outcomes, waited)
                 continue
@@ -431,9 +448,7 @@ class Round:
         late: the master has the command and answers it in order)."""
         pending = answering
         ok = sum(1 for o in outcomes if o.kind == "ok")
-        shared = self._linkset  # see sleep_on
-        if shared is not None and any(a is not b for a, b in zip(self.links, shared.links, strict=True)):
-            shared = None
+        shared = self._linkset  # see sleep_on; None once a link of it was replaced (see __init__)
         while True:
             pending, answered = self._read_arrived(pending, commands, outcomes)
             ok += answered
@@ -463,61 +478,27 @@ class Round:
                 ok += outcome.kind == "ok"
         return still, ok
 
-    def _await_batch(
-        self, i: int, batch: Sequence[Command], deadline: float, read_first: bool
-    ) -> list[Outcome]:
-        """Master i's replies to ``batch``, in order, by ``deadline`` (see :meth:`call_many`).
-
-        A command answered NOSCRIPT (it ran nothing) is sent again as EVAL once the batch's
-        replies are read, on the same link by the same deadline; its reply stands in for the
-        NOSCRIPT. It runs after the batch's later commands, which a batch only ever holds for
-        other keys (the heartbeat's extensions, a marker's two releases, an operator's reads).
-        """
-        outcomes: list[Outcome] = []
-        for j in range(len(batch)):
-            # After the first reply the rest have usually arrived with it: read before waiting.
-            outcome = self._await(i, None, deadline, read_first=read_first or j > 0)
-            outcomes.append(outcome)
-            rest = len(batch) - j - 1
-            if rest and outcome is LATE:
-                link = self.links[i]
-                assert link is not None
-                link.owed += rest  # every later reply is behind the late one
-                outcomes += [LATE] * rest
-                break
-            if rest and self.links[i] is None:  # the link was dropped: nothing more will come
-                outcomes += [outcome] * rest
-                break
-        return self._resend_batch(i, batch, outcomes, deadline) if self._noscript else outcomes
-
-    def _resend_batch(
-        self, i: int, batch: Sequence[Command], outcomes: list[Outcome], deadline: float
-    ) -> list[Outcome]:
-        """``outcomes`` with each NOSCRIPT replaced by the reply to the command's EVAL form, sent
-        again to master i in one write (see _await_batch)."""
-        self._noscript = False
-        forms = {j: eval_form(batch[j]) for j, outcome in enumerate(outcomes) if is_noscript(outcome)}
-        resent = {j: form for j, form in forms.items() if form is not None}
-        link = self.links[i]
-        if not resent or link is None or link.late:
-            return outcomes
-        try:
-            link.send(b"".join(resent.values()), deadline)
-        except IO_ERRORS as exc:
-            failed = self._drop(i, exc)
-            return [failed if j in resent else outcome for j, outcome in enumerate(outcomes)]
-        replies = self._await_batch(i, list(resent.values()), deadline, read_first=False)
-        for j, reply in zip(resent, replies, strict=True):
-            outcomes[j] = reply
-        return outcomes
-
     def _read(self, i: int, command: Command | None) -> Outcome | None:
         """Master i's next own reply to ``command`` if it has arrived in full (None: not yet).
         ``command`` None: a reply of a batch (NOSCRIPT is then its caller's to resend)."""
         link = self.links[i]
         assert link is not None
         try:
-            reply = link.read_reply()
+            reader = link.reader
+            if reader._position < len(reader._buffer) or link.tls:  # bytes buffered, or TLS
+                reply = link.read_reply()
+            else:
+                # The usual read, inlined (one per master per round): nothing buffered, and the
+                # recv holds exactly the owed replies and this one, each one short line.
+                data = link.sock.recv(RECV_SIZE)
+                run = SHORT_OUTCOMES.get(data)
+                if run is not None and run[0] == link.owed + 1:
+                    link.owed = 0
+                    link.late = False
+                    return run[1]
+                reply = link.take(data)
+        except NOT_READY:
+            return None
         except IO_ERRORS as exc:
             return self._drop(i, exc)
         if reply is wire.NOTHING:
@@ -544,7 +525,7 @@ class Round:
         the next reply is the script's own, and the caller sees that (None: wait for it)."""
         resent = eval_form(command)
         link = self.links[i]
-        if resent is None or link is None:  # a batch's (see _await_batch), or not our script
+        if resent is None or link is None:  # a batch's (see batch.await_batch), or not our script
             self._noscript = True
             return Outcome("error", detail=REPLY_ERROR + reply)
         try:
@@ -583,13 +564,15 @@ class Round:
         """Park the usual round's links as one set (the same set object if the round took one
         and kept every link of it); False if this round's links must go back one by one."""
         sets = self._sets
-        if sets is None or self._unclean or self._refusal or None in links:
+        if sets is None or self._unclean or self._refusal:
             return False
-        linkset = self._linkset
-        if linkset is None or linkset.links != links:
-            linkset = LinkSet.park(self.masters, links)  # type: ignore[arg-type]
+        linkset = self._linkset  # the set taken, every link of it kept (see __init__)
         if linkset is None:
-            return False
+            if None in links:
+                return False
+            linkset = LinkSet.park(self.masters, links)  # type: ignore[arg-type]
+            if linkset is None:
+                return False
         sets.append(linkset)
         return True
 
