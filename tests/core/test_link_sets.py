@@ -470,7 +470,7 @@ def test_a_link_dropped_mid_round_is_never_used_again(masters: ServerSet) -> Non
         rnd._drop(0, ConnectionError("reset, as the test says"))  # what a failed recv does
         rnd.close()
         # The next socket of this process takes the dropped link's descriptor number.
-        other = list(masters)[0].client()
+        other = next(iter(masters)).client()
         try:
             other.ping()
             assert lock.acquire(blocking=False)
@@ -480,3 +480,33 @@ def test_a_link_dropped_mid_round_is_never_used_again(masters: ServerSet) -> Non
             lock.release()
         finally:
             other.close()
+
+
+@pytest.mark.parametrize("cut_short", [False, True], ids=["clean", "cut-short"])
+def test_a_round_closed_twice_parks_its_links_once(masters: ServerSet, cut_short: bool) -> None:
+    """Closing a round again (an explicit close, then its with block) parks nothing a second
+    time: the same set parked twice would be taken by two rounds at once, each reading the
+    other's replies (one's "+OK" counted as the other's grant). A round cut short closes its
+    links; closed again, it must not park the set that held them either."""
+    with Redlock(masters.urls, ttl=10.0) as redlock:
+        lock = redlock.lock("closed-twice")
+        assert lock.acquire(blocking=False)
+        lock.release()  # the round's links are parked as one set
+        sets = redlock.transport._sets  # type: ignore[attr-defined]
+        assert len(sets) == 1
+        rnd = redlock._round()
+        if cut_short:
+            rnd._busy = True  # as a time limit's exception raised inside a call leaves it
+        rnd.close()
+        rnd.close()
+        assert len(sets) == (0 if cut_short else 1)
+        first, second = redlock._round(), redlock._round()
+        try:
+            shared = [a for a, b in zip(first.links, second.links, strict=True) if a is not None and a is b]
+            assert shared == []
+        finally:
+            first.close()
+            second.close()
+        assert lock.acquire(blocking=False)
+        assert [vote.kind for vote in lock.last_votes] == ["yes"] * len(masters.urls)
+        lock.release()

@@ -971,6 +971,18 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit(ROUND, "        self._linkset = None  # see __init__\n", ""),),
     ),
     Mutant(
+        "round_closed_twice_parks_again",
+        "a round closed twice parks its link set twice: two rounds then share its sockets",
+        ("tests/core/test_link_sets.py::test_a_round_closed_twice_parks_its_links_once[embedded-clean]",),
+        (
+            Edit(
+                ROUND,
+                "        linkset, self._linkset = self._linkset, None\n",
+                "        linkset = self._linkset\n",
+            ),
+        ),
+    ),
+    Mutant(
         "connects_share_a_small_pool",
         "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
         "a whole timeout late, and a healthy Redlock waits for another's unreachable master",

@@ -538,7 +538,10 @@ class Round:
         if self._pending is not None:  # connects no command waited for: for later rounds
             self._abandon(self._pending)
             self._pending = None
+        # Taken once: a round closed again (a with block after an explicit close) finds no
+        # links and no set, and parks nothing a second time.
         links, self.links = self.links, [None] * len(self.masters)
+        linkset, self._linkset = self._linkset, None
         if self._busy:
             # INVARIANT: a link carries the next command only if what it owes is exactly known.
             # A call cut short by an exception leaves links whose replies were sent for and not
@@ -550,7 +553,7 @@ class Round:
                 if link is not None:
                     link.close()
             return
-        if self._park(links):
+        if self._park(links, linkset):
             return
         for master, link in zip(self.masters, links, strict=True):
             if link is None:
@@ -560,13 +563,12 @@ class Round:
             else:
                 master._idle.append(link)  # give_back's usual case, inlined: one per master per round
 
-    def _park(self, links: list[Link | None]) -> bool:
-        """Park the usual round's links as one set (the same set object if the round took one
-        and kept every link of it); False if this round's links must go back one by one."""
+    def _park(self, links: list[Link | None], linkset: LinkSet | None) -> bool:
+        """Park the usual round's links as one set (``linkset``, if the round took one and kept
+        every link of it: see __init__); False if this round's links must go back one by one."""
         sets = self._sets
         if sets is None or self._unclean or self._refusal:
             return False
-        linkset = self._linkset  # the set taken, every link of it kept (see __init__)
         if linkset is None:
             if None in links:
                 return False
