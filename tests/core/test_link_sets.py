@@ -199,8 +199,26 @@ PARENT_THEN_DIES = textwrap.dedent(
 )
 
 
+# The same, with every link held by another thread of the parent at the fork, as a connector
+# thread that has just made one, or a heartbeat mid-round, holds it: CPython never frees the
+# frames of the threads that did not survive a fork, so the child cannot drop what they hold.
+PARENT_HOLDING_THEN_DIES = PARENT_THEN_DIES.replace(
+    "child = os.fork()\n",
+    "import threading, time\n"
+    "sets = list(rl.transport._sets)\n"
+    "assert sets, 'the round left no parked set'\n"
+    "threading.Thread(target=lambda held: time.sleep(60), args=(sets,), daemon=True).start()\n"
+    "del sets\n"
+    "child = os.fork()\n",
+)
+assert PARENT_HOLDING_THEN_DIES != PARENT_THEN_DIES
+
+
 @pytest.mark.timeout(60)
-def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: ServerSet) -> None:
+@pytest.mark.parametrize(
+    "script", [PARENT_THEN_DIES, PARENT_HOLDING_THEN_DIES], ids=["dropped", "held-by-a-thread"]
+)
+def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: ServerSet, script: str) -> None:
     """A child inherits copies of its parent's sockets. Before d55e643 the fork reset
     (Master._after_fork_in_child) dropped the idle links, and with them the child's copies, at
     once. The parked sets (FastTransport._sets) have no fork reset: a child keeps its copies until a
@@ -209,7 +227,7 @@ def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: Serv
     master for as long as such a child lives. Fix: empty ``_sets`` in the child (an
     on_fork_in_child hook), as Master does with its stacks."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", PARENT_THEN_DIES, *named(masters.urls)],
+        [sys.executable, "-c", script, *named(masters.urls)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

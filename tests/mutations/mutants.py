@@ -983,6 +983,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "inherited_links_left_open",
+        "a forked child keeps open the links another thread of its parent held at the fork: "
+        "their connections outlive the parent",
+        (
+            "tests/core/test_link_sets.py::test_a_forked_child_does_not_keep_its_parents_connections_open"
+            "[embedded-held-by-a-thread]",
+        ),
+        (Edit("celery_redlock/lock/transport/link.py", "on_fork_in_child(_close_inherited)\n", ""),),
+    ),
+    Mutant(
         "connects_share_a_small_pool",
         "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
         "a whole timeout late, and a healthy Redlock waits for another's unreachable master",

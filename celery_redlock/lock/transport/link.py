@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import select
 import socket
 import ssl
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..._fork import on_fork_in_child
 from .. import waiting, wire
 from .commands import NOSCRIPT
 
@@ -42,7 +46,19 @@ class Link:
     before the reply of the next command on this link.
     """
 
-    __slots__ = ("conn", "fd", "late", "master", "owed", "poller", "reader", "run_id", "sock", "tls")
+    __slots__ = (
+        "__weakref__",
+        "conn",
+        "fd",
+        "late",
+        "master",
+        "owed",
+        "poller",
+        "reader",
+        "run_id",
+        "sock",
+        "tls",
+    )
     conn: redis.Connection
     master: Master
     sock: socket.socket
@@ -70,6 +86,7 @@ class Link:
         self.owed = 0
         self.late = False
         self.run_id = ""
+        _made.add(self)  # see _close_inherited
 
     def usable(self) -> bool:
         """Whether this idle link may carry a command: the master has not closed it. One
@@ -210,6 +227,37 @@ class Link:
             self.conn.disconnect()
         except Exception:  # closing a broken socket may fail; it is being thrown away anyway
             logger.debug("error while closing a link", exc_info=True)
+
+
+# Every link this process made, held weakly: a forked child closes its copies of their sockets.
+_made: weakref.WeakSet[Link] = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    """In a forked child: close the child's copy of the socket of every link the parent made.
+
+    The owners of the links drop them in the child (Master, FastTransport, Subscriber), which
+    closes a copy once nothing holds it. But a link that another thread of the parent held at
+    the fork (a connector thread that had just made it, a heartbeat or a listener mid-round)
+    is held for ever in the child: CPython does not free the frames of the threads that did
+    not survive a fork. Its connection would stay open on the master for as long as the child
+    lives, after the parent is gone. Each socket is detached first, so the object left behind
+    owns no descriptor: nothing it does later (a close, a shutdown) can reach the parent's
+    connection or a descriptor number the child has reused.
+    """
+    links = list(_made)
+    _made.clear()
+    for link in links:
+        try:
+            fd = link.sock.detach()
+        except OSError:
+            continue
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+on_fork_in_child(_close_inherited)
 
 
 class Generation:
