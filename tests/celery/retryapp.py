@@ -2,7 +2,8 @@
 
 Its result backend is real Redis (the broker's, unless ``RETRY_BACKEND`` names another, such as
 a port where nothing listens), with one change: a run's RETRY state reaches the server
-``RETRY_STORE_DELAY`` seconds late (default 0), as on a backend that is loaded or far away.
+``RETRY_STORE_DELAY`` seconds after the backend read what was stored before it (default 0), as
+on a backend that is loaded or far away.
 ``RETRY_BROKER`` is the broker, which also keeps the run log; ``RETRY_MASTERS`` the lock masters.
 """
 
@@ -24,9 +25,12 @@ RETRY_STORE_DELAY = float(os.environ.get("RETRY_STORE_DELAY", "0"))
 
 
 class SlowRetryStore(RedisBackend):  # type: ignore[misc]
-    def mark_as_retry(self, task_id: str, exc: Any, traceback: Any = None, request: Any = None) -> Any:
-        time.sleep(RETRY_STORE_DELAY)
-        return super().mark_as_retry(task_id, exc, traceback, request=request)
+    def _set_with_state(self, key: str, value: Any, state: str) -> Any:
+        # Late between the backend's read of the stored state and its write: a RETRY written
+        # then lands over whatever another run stored meanwhile, SUCCESS included.
+        if state == "RETRY":
+            time.sleep(RETRY_STORE_DELAY)
+        return super()._set_with_state(key, value, state)
 
 
 app = worker_app(
@@ -95,6 +99,19 @@ def own_retry(self: Any, key: str, seconds: float) -> str:
     time.sleep(seconds)
     if self.request.retries == 0:
         raise self.retry(countdown=0, max_retries=3)
+    return key
+
+
+@app.task(base=RedlockTask, bind=True, name="retry.own_retry_swallowed", lock_key="retry:<key>", **LOCK)
+def own_retry_swallowed(self: Any, key: str) -> str:
+    """Raises ``self.retry()`` once inside a broad ``except Exception`` (``Retry`` is one), which
+    swallows it: the run succeeds, and Celery has asked for the copy all the same."""
+    note(key, self.request.id)
+    if self.request.retries == 0:
+        try:
+            raise self.retry(countdown=0, max_retries=3)
+        except Exception:
+            return "swallowed"
     return key
 
 

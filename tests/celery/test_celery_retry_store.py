@@ -1,16 +1,17 @@
-"""A lock retry's outcome is the retried copy's, however late its run's RETRY state is stored.
+"""A retry's outcome is the retried copy's, however late its run's RETRY state is stored.
 
-Celery's own ``self.retry()`` publishes the copy before the tracer stores the RETRY state. A lock
-retry done that way lets a copy that gets the lock at once finish, and store SUCCESS, before the
-RETRY of the attempt before it lands, which then stands for ever: the work done, ``.get()``
-waiting until its timeout. The lock retry is published once that state is stored (see
-``contend.retry``); here, on a real worker whose backend stores RETRY 0.4 s late, a copy whose
-body succeeds ends SUCCESS and one whose body raises ends FAILURE. (Celery's backend does not
-overwrite a stored SUCCESS, only what it reads before its write; a FAILURE it overwrites.)
+Celery's own ``self.retry()`` publishes the copy before the tracer stores the RETRY state. The
+run's lock is released as its body ends, so a copy that gets the lock at once can finish, and
+store SUCCESS, before the RETRY of the run before it lands, which then stands for ever: the work
+done, ``.get()`` waiting until its timeout. Both a lock retry and the body's own
+``self.retry()`` publish their copy once that state is stored (see ``retrycopy.py``); here, on a
+real worker whose backend writes RETRY 0.4 s after reading what was stored, a copy whose body
+succeeds ends SUCCESS and one whose body raises ends FAILURE.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,12 @@ def slow_store_worker(retry_app: tuple[Any, dict[str, str]]) -> Iterator[tuple[A
         worker.stop()
 
 
+def idle(module: Any) -> bool:
+    """Whether the worker runs nothing (its runs' stores have all landed)."""
+    active = module.app.control.inspect(timeout=1.0).active() or {}
+    return bool(active) and not any(active.values())
+
+
 @pytest.mark.timeout(90)
 def test_a_lock_retry_is_not_overwritten_by_the_late_retry_state_of_the_attempt_before(
     slow_store_worker: tuple[Any, str],
@@ -49,12 +56,39 @@ def test_a_lock_retry_is_not_overwritten_by_the_late_retry_state_of_the_attempt_
     assert wait_for(lambda: all(s in ("SUCCESS", "FAILURE") for s in stored().values()), 30), stored()
     # Every store has landed once the worker runs nothing: a copy that finished before the late
     # RETRY of the attempt before it would read RETRY from then on.
-    inspect = module.app.control.inspect(timeout=1.0)
-
-    def idle() -> bool:
-        active = inspect.active() or {}
-        return bool(active) and not any(active.values())
-
-    assert wait_for(idle, 30, every=0.05), "the worker never went idle"
+    assert wait_for(lambda: idle(module), 30, every=0.05), "the worker never went idle"
     states = stored()
     assert [states[r.id] for r in contenders] == ["SUCCESS", "FAILURE"], states
+
+
+@pytest.mark.timeout(90)
+def test_a_bodys_own_retry_is_not_overwritten_by_its_late_retry_state(
+    slow_store_worker: tuple[Any, str],
+) -> None:
+    """``own_retry`` calls ``self.retry(countdown=0)`` once; its copy, free to take the released
+    lock at once on another thread, must not be published until the RETRY has been written."""
+    module, queue = slow_store_worker
+    keys = [uuid.uuid4().hex[:8] for _ in range(3)]
+    results = [module.own_retry.apply_async((key, 0.0), queue=queue) for key in keys]
+    assert [r.get(timeout=30) for r in results] == keys
+    assert wait_for(lambda: idle(module), 30, every=0.05), "the worker never went idle"
+    for key, result in zip(keys, results, strict=True):
+        assert module.runs(key) == [result.id, result.id], module.runs(key)
+    states = {r.id: module.stored_state(r.id) for r in results}
+    assert set(states.values()) == {"SUCCESS"}, states
+
+
+@pytest.mark.timeout(90)
+def test_a_retry_the_body_swallows_is_published_after_the_run_ends(
+    slow_store_worker: tuple[Any, str],
+) -> None:
+    """A body that catches the ``Retry`` its ``self.retry()`` raised ends SUCCESS, and the tracer
+    sends no ``task_retry``: the held-back copy is published as the run ends, and runs (as
+    Celery's own retry, published before the raise, would)."""
+    module, queue = slow_store_worker
+    key = uuid.uuid4().hex[:8]
+    result = module.own_retry_swallowed.apply_async((key,), queue=queue)
+    assert wait_for(lambda: len(module.runs(key)) == 2, 30, every=0.05), module.runs(key)
+    assert wait_for(lambda: idle(module), 30, every=0.05), "the worker never went idle"
+    time.sleep(0.5)  # a copy published twice would have run by now
+    assert module.runs(key) == [result.id, result.id]

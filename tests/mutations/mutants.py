@@ -934,8 +934,52 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "celery_redlock/celery/hooks.py",
-                "    if state != SUCCESS:  # a run that succeeded",
-                "    if False:  # a run that succeeded",
+                '    retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
+                "    pass\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "swallowed_retry_never_published",
+        "a copy held back by retry(throw=False) is published only by task_retry, which a run that "
+        "went on to succeed never sends: the retry is lost",
+        (
+            "tests/celery/test_celery_retry_store.py::test_a_retry_that_does_not_throw_is_published_after_the_run_ends",
+        ),
+        (
+            Edit(
+                HOOKS,
+                '    retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
+                '    if state != "SUCCESS":\n'
+                '        retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
+            ),
+        ),
+    ),
+    Mutant(
+        "held_back_retry_copy_unmarked_until_published",
+        "a body's own retry copy is given no marker until it is published: the run's lock is "
+        "released as it ends, and a duplicate published before the copy is queued beside it",
+        ("tests/celery/test_celery_enqueue.py::test_a_retry_keeps_the_key_for_the_retried_message",),
+        (
+            Edit(
+                ENQUEUE,
+                "    held = run.held\n    if mode_of(task) is None or held is None",
+                "    held = run.held\n    if True or held is None",
+            ),
+        ),
+    ),
+    Mutant(
+        "own_retry_published_before_its_retry_state",
+        "a body's own self.retry() publishes its copy before the run's RETRY state is stored: a "
+        "copy that ends first has its SUCCESS overwritten by that RETRY for ever",
+        (
+            "tests/celery/test_celery_retry_store.py::test_a_bodys_own_retry_is_not_overwritten_by_its_late_retry_state",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/retrycopy.py",
+                "    if run is None:\n        return False\n",
+                "    return False\n",
             ),
         ),
     ),
