@@ -29,3 +29,17 @@ def holding(masters: Iterable[RedisServer], key: str) -> list[bool]:
         finally:
             client.close()
     return found
+
+
+def set_on(masters: Iterable[RedisServer], key: str, value: str | None, px: int = 10_000) -> None:
+    """``key`` set to ``value`` for ``px`` ms (None: deleted) on each of ``masters``, directly:
+    what a split vote, another holder, or a key expiring on some masters leaves there."""
+    for server in masters:
+        client = server.client(socket_timeout=5)
+        try:
+            if value is None:
+                client.delete(key)
+            else:
+                client.set(key, value, px=px)
+        finally:
+            client.close()

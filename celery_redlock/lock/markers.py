@@ -279,7 +279,7 @@ class HandoverLock(Lock):
             tidy=self._tidy(token),
         )
 
-    def _tidy(self, token: str) -> Command | None:
+    def _tidy(self, token: str) -> Command:
         """What a granted attempt sends to the masters that did not grant it: HANDOVER_TIDY,
         which deletes the marker there, on the lock key or beside it (see scripts.py), and
         retracts a late grant. Without a side key (no owner known) the marker's key is the

@@ -13,10 +13,15 @@ import pytest
 from celery_redlock import Redlock
 from celery_redlock.lock import admin, markers
 from celery_redlock.lock.holder import HolderRecord
-from celery_redlock.testing import ServerSet
-from tests.onmasters import pttls
+from celery_redlock.testing import RedisServer, ServerSet
+from tests.onmasters import pttls, set_on
 
 from .conftest import take, take_everywhere
+
+
+def at(masters: ServerSet, indexes: range | list[int]) -> list[RedisServer]:
+    return [masters[i] for i in indexes]
+
 
 pytestmark = pytest.mark.one_binary
 
@@ -102,21 +107,6 @@ def test_keep_extends_a_marker_only_while_it_is_there(rl: Redlock) -> None:
     assert rl.holder("kept") is None
 
 
-def _hold_on(masters: ServerSet, indexes: range | list[int], key: str, value: str | None) -> None:
-    """Set ``key`` to ``value`` (None: delete it) on the masters at ``indexes``: what a split
-    vote between the run and other contenders, or another holder's key expiring on some masters,
-    leaves there."""
-    for i in indexes:
-        client = masters[i].client()
-        try:
-            if value is None:
-                client.delete(key)
-            else:
-                client.set(key, value, px=10_000)
-        finally:
-            client.close()
-
-
 @pytest.mark.timeout(30)
 def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     rl: Redlock, masters: ServerSet
@@ -143,7 +133,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
     # The key is free on two masters, then on a third one (the others held it meanwhile): each
     # attempt is granted by a minority only.
     for free in ([0, 1], [2]):
-        _hold_on(masters, free, key, None)
+        set_on(at(masters, free), key, None)
         assert not run.acquire(blocking=False)
         assert sorted(vote.kind for vote in run.last_votes) == sorted(
             ["yes"] * len(free) + ["held"] * (5 - len(free))
@@ -151,7 +141,7 @@ def test_a_takeover_no_quorum_granted_leaves_its_marker_beside_the_key(
         assert rl.read_everywhere(side) == [kept.encode()] * 5, "the marker was not put back beside the key"
         # ... for no longer than it had left.
         assert all(0 < pttl <= 30_000 for pttl in pttls(masters, side))
-        _hold_on(masters, free, key, other.token)
+        set_on(at(masters, free), key, other.token)
 
     # The task's next publish is refused by its waiting marker, as before the attempts.
     again = markers.place(
@@ -186,7 +176,7 @@ def test_a_takeover_granted_by_a_quorum_deletes_its_marker_where_the_key_was_hel
 
     # A's release has reached three masters: the run takes the key on them, and the two that
     # still hold A's token refuse it.
-    _hold_on(masters, [0, 1, 2], key, None)
+    set_on(at(masters, [0, 1, 2]), key, None)
     run = markers.HandoverLock(rl, "tidy", 10, marker=first, side=side)
     assert run.acquire(blocking=False), run.last_error
     assert sorted(vote.kind for vote in run.last_votes) == ["held", "held", "yes", "yes", "yes"]
@@ -196,7 +186,7 @@ def test_a_takeover_granted_by_a_quorum_deletes_its_marker_where_the_key_was_hel
         time.sleep(0.01)
     assert rl.read_everywhere(key)[3:] == [other.token.encode()] * 2, "another holder's key was touched"
     run.release()
-    _hold_on(masters, [3, 4], key, None)
+    set_on(at(masters, [3, 4]), key, None)
 
     # The task's next publish is placed at once: nothing of the run's message is left to split it.
     again = markers.new_value(record.to_text(task="b2", since=time.time()))

@@ -39,6 +39,7 @@ from celery_redlock.lock.holder import HolderRecord
 from celery_redlock.lock.resource import lock_key
 from celery_redlock.testing import ServerSet
 from celery_redlock.testing.proxy import ProxySet
+from tests.onmasters import set_on
 from tests.waiting import wait_for, wait_until
 
 OWNER = "review31-task"
@@ -67,19 +68,6 @@ def _get(masters: ServerSet, i: int, key: str) -> bytes | None:
     finally:
         client.close()
     return value if isinstance(value, bytes) else None
-
-
-def _set(masters: ServerSet, indexes: list[int], key: str, value: str | None) -> None:
-    """``key`` set to ``value`` (None: deleted) on the masters at ``indexes``, directly."""
-    for i in indexes:
-        client = _client(masters, i)
-        try:
-            if value is None:
-                client.delete(key)
-            else:
-                client.set(key, value, px=20_000)
-        finally:
-            client.close()
 
 
 def _scripts_run(masters: ServerSet, i: int) -> int:
@@ -156,7 +144,7 @@ def test_a_takeover_with_a_master_unreachable_leaves_no_marker_on_its_lock_key(m
         if taken:
             other.release()
         proxies[1].heal()
-        _set(masters, [0, 1, 2], key, None)
+        set_on([masters[i] for i in [0, 1, 2]], key, None, px=20_000)
     assert left, (
         f"the run's marker stayed on master 2's lock key ({pttl} ms of its TTL left) after the run "
         f"took the key over and ended; with master 1 down, a lock of the key was "
@@ -199,12 +187,12 @@ def test_a_failed_attempts_late_retraction_does_not_put_the_marker_back_after_th
         run = markers.HandoverLock(rl, name, 10.0, marker=value, side=side)
         scripts_before = _scripts_run(masters, 4)
 
-        _set(masters, [0, 1], key, None)
+        set_on([masters[i] for i in [0, 1]], key, None, px=20_000)
         proxies[4].delay(3.0, "up")
         assert not run.acquire(blocking=False)
         kinds = [v.kind for v in run.last_votes]
         assert kinds == ["yes", "yes", "held", "held", "timeout"], run.last_votes
-        _set(masters, [2, 3, 4], key, None)
+        set_on([masters[i] for i in [2, 3, 4]], key, None, px=20_000)
         # A new link connects within the request timeout, its HANDOVER is late; the bytes
         # already held keep their 3 s.
         proxies[4].delay(0.4, "up")
@@ -220,7 +208,7 @@ def test_a_failed_attempts_late_retraction_does_not_put_the_marker_back_after_th
         proxies[4].heal()
         beside = [_get(masters, i, side) for i in range(5)]
         run.release()
-        _set(masters, list(range(5)), side, None)
+        set_on(masters, side, None, px=20_000)
     assert beside == [None] * 5, (
         f"the marker was set beside the key again after the run took it over: {beside}; it names "
         "a message that is running, and stays for the marker's whole TTL"
@@ -245,7 +233,7 @@ def test_a_tidy_written_late_leaves_a_later_messages_marker_beside_the_key(maste
         key = lock_key(publisher.key_prefix, name)
         side = markers.side_key(publisher.key_prefix, name, OWNER)
         other = "b" * 40 + "|another task's run"
-        _set(masters, [0, 1, 2, 3], key, other)
+        set_on([masters[i] for i in [0, 1, 2, 3]], key, other, px=20_000)
         publisher_side[4].cut()
         first = _marker("m1")
         placed = markers.place_beside(publisher, name, side, first, 30.0, other)
@@ -253,7 +241,7 @@ def test_a_tidy_written_late_leaves_a_later_messages_marker_beside_the_key(maste
         assert markers.keep(publisher, side, first, 30.0)[0]
 
         # The other run's release reaches 0, 1 and 2; the worker's run takes the key over there.
-        _set(masters, [0, 1, 2], key, None)
+        set_on([masters[i] for i in [0, 1, 2]], key, None, px=20_000)
         worker_side[4].cut()
         run = markers.HandoverLock(worker, name, 5.0, marker=first, side=side)
         assert run.acquire(blocking=False), run.last_error
@@ -262,8 +250,8 @@ def test_a_tidy_written_late_leaves_a_later_messages_marker_beside_the_key(maste
 
         # Another task's run holds the key on 0, 1 and 4 (and still on 3): m2 goes beside it there.
         third = "c" * 40 + "|a third task's run"
-        _set(masters, [0, 1, 4], key, third)
-        _set(masters, [2], key, "d" * 40 + "|a fourth holder")
+        set_on([masters[i] for i in [0, 1, 4]], key, third, px=20_000)
+        set_on([masters[i] for i in [2]], key, "d" * 40 + "|a fourth holder", px=20_000)
         publisher_side[4].heal()
         wait_until(lambda: _answers(publisher, 4), 5, "the publisher to reach master 4 again")
         second = _marker("m2")
@@ -281,8 +269,8 @@ def test_a_tidy_written_late_leaves_a_later_messages_marker_beside_the_key(maste
             "the tidy kept for master 4 to be written there",
         )
         beside = [_get(masters, i, side) for i in range(5)]
-        _set(masters, list(range(5)), key, None)
-        _set(masters, list(range(5)), side, None)
+        set_on(masters, key, None, px=20_000)
+        set_on(masters, side, None, px=20_000)
     kept = markers.published(second).encode()
     assert beside == [kept, kept, None, None, kept], beside
 
@@ -298,10 +286,12 @@ def test_a_takeover_before_the_publish_returned_tidies_the_marker_as_placed(mast
         key = lock_key(rl.key_prefix, name)
         side = markers.side_key(rl.key_prefix, name, OWNER)
         other = "b" * 40 + "|another task's run"
-        _set(masters, list(range(5)), key, other)
+        set_on(masters, key, other, px=20_000)
         value = _marker("m1")
         assert markers.place_beside(rl, name, side, value, 30.0, other).key == side
-        _set(masters, [0, 1, 2], key, None)  # the other run's release reaches 0, 1 and 2
+        set_on(
+            [masters[i] for i in [0, 1, 2]], key, None, px=20_000
+        )  # the other run's release reaches 0, 1 and 2
         run = markers.HandoverLock(rl, name, 5.0, marker=value, side=side)
         assert run.acquire(blocking=False), run.last_error
         assert sorted(v.kind for v in run.last_votes) == ["held", "held", "yes", "yes", "yes"]
@@ -310,8 +300,8 @@ def test_a_takeover_before_the_publish_returned_tidies_the_marker_as_placed(mast
         kept = markers.keep(rl, side, value, 30.0)[1]  # the publish returns now
         after = [_get(masters, i, side) for i in range(5)]
         run.release()
-        _set(masters, list(range(5)), key, None)
-        _set(masters, list(range(5)), side, None)
+        set_on(masters, key, None, px=20_000)
+        set_on(masters, side, None, px=20_000)
     assert tidied, f"the placed form stayed beside the key: {beside}; keep() then left {after} ({kept})"
 
 
@@ -330,11 +320,13 @@ def test_a_tidy_kept_for_a_master_that_was_down_deletes_the_marker_beside_the_ke
         key = lock_key(rl.key_prefix, name)
         side = markers.side_key(rl.key_prefix, name, OWNER)
         other = "b" * 40 + "|another task's run"
-        _set(masters, list(range(5)), key, other)
+        set_on(masters, key, other, px=20_000)
         value = _marker("m1")
         assert markers.place_beside(rl, name, side, value, 30.0, other).key == side
         assert markers.keep(rl, side, value, 30.0)[0]
-        _set(masters, [0, 1, 2, 3], key, None)  # the other run's release, but for master 4
+        set_on(
+            [masters[i] for i in [0, 1, 2, 3]], key, None, px=20_000
+        )  # the other run's release, but for master 4
         proxies[4].cut()
         run = markers.HandoverLock(rl, name, 5.0, marker=value, side=side)
         assert run.acquire(blocking=False), run.last_error
@@ -348,8 +340,8 @@ def test_a_tidy_kept_for_a_master_that_was_down_deletes_the_marker_beside_the_ke
         )
         beside = [_get(masters, i, side) for i in range(5)]
         run.release()
-        _set(masters, list(range(5)), key, None)
-        _set(masters, list(range(5)), side, None)
+        set_on(masters, key, None, px=20_000)
+        set_on(masters, side, None, px=20_000)
     assert beside == [None] * 5, beside
 
 
@@ -385,5 +377,5 @@ def test_a_late_grant_of_a_takeover_does_not_outlive_the_runs_release(masters: S
         )
         proxies[4].heal()
         held = [_get(masters, i, key) for i in range(5)]
-        _set(masters, list(range(5)), key, None)
+        set_on(masters, key, None, px=20_000)
     assert token.encode() not in held, held
