@@ -213,10 +213,19 @@ PARENT_HOLDING_THEN_DIES = PARENT_THEN_DIES.replace(
 )
 assert PARENT_HOLDING_THEN_DIES != PARENT_THEN_DIES
 
+# The same over the redis-py reference transport, whose lanes keep their connection in a thread
+# of their own between rounds: that thread does not survive the fork, and its lane is never freed.
+REFERENCE_PARENT_THEN_DIES = PARENT_THEN_DIES.replace(
+    "retry_count=0)", "retry_count=0, transport='redis-py')"
+)
+assert REFERENCE_PARENT_THEN_DIES != PARENT_THEN_DIES
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
-    "script", [PARENT_THEN_DIES, PARENT_HOLDING_THEN_DIES], ids=["dropped", "held-by-a-thread"]
+    "script",
+    [PARENT_THEN_DIES, PARENT_HOLDING_THEN_DIES, REFERENCE_PARENT_THEN_DIES],
+    ids=["dropped", "held-by-a-thread", "reference-transport-lanes"],
 )
 def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: ServerSet, script: str) -> None:
     """A child inherits copies of its parent's sockets. Before d55e643 the fork reset

@@ -1037,6 +1037,22 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/transport/link.py", "on_fork_in_child(_close_inherited)\n", ""),),
     ),
     Mutant(
+        "reference_lanes_left_open_in_a_child",
+        "a forked child keeps the redis-py reference transport's lane connections: their lanes "
+        "are held by threads that did not survive the fork, and the connections outlive the parent",
+        (
+            "tests/core/test_link_sets.py::test_a_forked_child_does_not_keep_its_parents_connections_open"
+            "[embedded-reference-transport-lanes]",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/transport/reference.py",
+                "                lane.close_inherited()\n",
+                "                pass\n",
+            ),
+        ),
+    ),
+    Mutant(
         "connects_share_a_small_pool",
         "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
         "a whole timeout late, and a healthy Redlock waits for another's unreachable master",

@@ -280,6 +280,16 @@ class _Lane:
             self.site.count(self, jobs=-1)
         self._drop()
 
+    def close_inherited(self) -> None:
+        """In a forked child: close the child's copy of this lane's socket, nothing else (no
+        shutdown, which would end the parent's connection too; no pool, whose lock a thread that
+        is gone may hold)."""
+        conn, self.conn = self.conn, None
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
     def _drop(self) -> None:
         if self.conn is not None:
             self.conn.disconnect()
@@ -518,8 +528,15 @@ class ReferenceTransport:
     def after_fork_in_child(self) -> None:
         # The parent's lanes have no thread here and their connections are the parent's: new sites,
         # new pools. The old are dropped unused: redis-py closes only the child's copy of a dropped
-        # connection's socket (no shutdown in a process that did not open it).
-        self._sites = [_Site(master) for master in self.masters]
+        # connection's socket (no shutdown in a process that did not open it). A lane's own
+        # connection is never dropped, though: the lane is held by its thread's frame, which
+        # CPython does not free for a thread that did not survive the fork. Its socket would keep
+        # the parent's connection open on the master for as long as the child lives, the parent
+        # dead or not; the child closes its copy (the parent's stays open and usable).
+        old, self._sites = self._sites, [_Site(master) for master in self.masters]
+        for site in old:
+            for lane in list(site.lanes):  # no mutex: the threads that could hold it are gone
+                lane.close_inherited()
 
 
 def _requeue(site: weakref.ref[_Site]) -> None:
