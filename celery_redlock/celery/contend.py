@@ -360,7 +360,7 @@ def retry(task: Task, run: RunState, attempt: int, countdown: float, error: Lock
         headers=headers,
     )
     # INVARIANT (a lock retry's outcome is the retried copy's): the copy is published only once
-    # the tracer has stored this run's RETRY state (retrycopy.publish_held_back, on the task_retry
+    # the tracer has stored this run's RETRY state (hooks.publish_lock_retry, on the task_retry
     # signal the tracer sends right after that store). Published here, a copy that got the lock
     # at once and finished on another worker could store its SUCCESS first, and this run's
     # RETRY, stored after it, would stand for ever: the work done, its result never seen.

@@ -91,17 +91,17 @@ from ..lock.markers import side_key
 from ..lock.redlock import Redlock
 from ..lock.resource import HOLDER_SEPARATOR, lock_key
 from . import hooks, signals
+from .held import Held
 from .hooks import PUBLISH_ID_HEADER
 from .queued import MARKER_HEADER as MARKER_HEADER
 from .queued import Existing, existing_of, masters_fingerprint
 from .queued import drop_abandoned_marker as drop_abandoned_marker
-from .queued import hand_back as hand_back
 from .queued import is_queued as is_queued
 from .queued import marker_ttl as marker_ttl
 from .queued import queued_task_id as queued_task_id
 from .queued import release_revoked_marker as release_revoked_marker
 from .queued import run_lock as run_lock
-from .runstate import RunState, run_of
+from .runstate import run_of
 from .settings import RedlockSettings, app_settings_and_redlock, enqueue_mode
 
 logger = logging.getLogger("celery_redlock.enqueue")
@@ -484,27 +484,6 @@ def _duplicate(task: Any, mode: str, name: str, task_id: str, existing: str | No
     return task.AsyncResult(existing)
 
 
-def mark_retry_copy(task: Any, run: RunState, args: Any, kwargs: Any, task_id: str, options: Any) -> Any:
-    """The options of a body's own ``self.retry()`` copy, which is held back until its run's
-    state is stored (retrycopy.py), with a marker of its own: the run's lock becomes that marker
-    as the run ends (:func:`hand_back`), so the key stays taken from the run to its copy. The
-    marker is pending (it lasts the publish window, as any marker whose publish has not
-    returned) until :func:`_republish` publishes the copy and keeps it for its full TTL."""
-    held = run.held
-    if mode_of(task) is None or held is None or held.finished or not held.lock.owned():
-        return options
-    settings, redlock = app_settings_and_redlock(task.app)
-    ttl = marker_ttl(task, settings, options)
-    name = task.lock_name(tuple(args or ()), kwargs or {})
-    if ttl < redlock.min_ttl or name != held.lock.name:
-        return options  # published unmarked, or marked on its own key (see _republish)
-    headers, value = _new_marker(task, task_id, ttl, options)
-    headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
-    run.requeued(value, min(ttl, PUBLISH_WINDOW))
-    run.handed = (markers.Placed(value, held.lock.key, [], 0.0, 0.0), ttl, time.monotonic())
-    return {**options, "headers": headers}
-
-
 def _republish(
     task: Any,
     publish: Callable[..., Any],
@@ -518,20 +497,13 @@ def _republish(
 
     A run that holds its lock gives the new message a new marker; its lock becomes that marker
     when the run ends (:func:`hand_back`). A run that holds nothing (a lock retry) sends the
-    message with the headers it was given, its marker header among them. A run that has ended
-    published the copy it held back until its state was stored (retrycopy.py): with the marker
-    its lock became (:func:`mark_retry_copy`), or with one of its own as any publish.
+    message with the headers it was given, its marker header among them.
     """
     run = run_of(task.request)
     held = None if run is None else run.held
-    if run is None or held is None or (not held.finished and not held.lock.owned()):
+    if run is None or held is None or held.finished or not held.lock.owned():
         return publish(args, kwargs, task_id=task_id, **options)
     settings, redlock = app_settings_and_redlock(task.app)
-    handed = run.take_handed()
-    if handed is not None:  # the copy mark_retry_copy marked: the run's lock became its marker
-        result = _publish_marked(publish, args, kwargs, task_id, options, redlock, held.lock.name, handed[0])
-        _keep(task, redlock, *handed)
-        return result
     ttl = marker_ttl(task, settings, options)
     if ttl < redlock.min_ttl:  # expires before a marker could be placed: it will not run
         return publish(args, kwargs, task_id=task_id, **options)
@@ -539,13 +511,13 @@ def _republish(
     name = task.lock_name(tuple(args or ()), kwargs or {})
     headers[MARKER_HEADER] = {"name": name, "value": value, "masters": masters_fingerprint(redlock)}
     options["headers"] = headers
-    if name == held.lock.name and not held.finished:
+    if name == held.lock.name:
         result = publish(args, kwargs, task_id=task_id, **options)
         # Published: the lock becomes the marker in its published form (see _place_settled).
         run.requeued(markers.published(value), ttl)
         return result
-    # Retried with arguments of another resource, or after the run ended: that key gets a marker
-    # of its own, and this run's lock is (or was) released as usual (nothing to swap it for).
+    # Retried with arguments of another resource: that key gets a marker of its own, and this
+    # run's lock is released as usual when it ends (nothing to swap it for).
     placed = _place(task, redlock, name, value, min(ttl, PUBLISH_WINDOW))
     if isinstance(placed, Existing):
         logger.warning(
@@ -563,6 +535,32 @@ def _republish(
     result = _publish_marked(publish, args, kwargs, task_id, options, redlock, name, placed)
     _keep(task, redlock, placed, ttl, since)
     return result
+
+
+def hand_back(held: Held, pending: tuple[str, float] | None) -> bool:
+    """At the end of a run that re-published itself (``pending``: the new message's marker value
+    and ttl, see RunState.requeued): swap its lock for that marker instead of releasing it.
+    True if the lock was dealt with here (released or swapped)."""
+    if pending is None:
+        return False
+    value, ttl = pending
+    lock = held.lock
+    token = lock.token
+    if token is None:
+        return False
+    swapped = markers.hand_back(lock.redlock, lock.key, token, value, ttl)
+    if not swapped:
+        logger.warning(
+            "task %s: lock %s could not be handed to its re-published message's marker (lost, or "
+            "no quorum answered); the message is queued unmarked",
+            held.task_id,
+            lock.name,
+        )
+    # Forgets the token; on the masters the compare finds the marker (or nothing) and deletes
+    # nothing of it.
+    lock.release()
+    logger.debug("task %s: lock %s handed to its re-published message", held.task_id, lock.name)
+    return True
 
 
 def _holder(task: Any, task_id: str, ttl: float, publish: str) -> str:

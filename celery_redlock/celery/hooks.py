@@ -16,9 +16,9 @@ RedlockScheduler starts, never at import; the start-up checks are :mod:`.task`'s
 - ``task_postrun``: releases the lock of a run that ended ignored or rejected (no after_return),
   or was interrupted by a terminate signal (``revoke(terminate=True)`` raises SystemExit in a
   pool child, and the tracer still sends postrun).
-- ``task_retry``: publishes the copy a retry (for the lock, or the body's own ``self.retry()``)
-  held back until its run's RETRY state was stored (:mod:`.retrycopy`); ``task_postrun``
-  publishes it if that store or the task's ``on_retry`` raised, which skips ``task_retry``.
+- ``task_retry``: publishes the copy a lock retry held back until its run's RETRY state was
+  stored (see ``contend.retry``); ``task_postrun`` publishes it if that store or the task's
+  ``on_retry`` raised, which skips ``task_retry``.
 - ``task_revoked`` with ``terminated``: releases the lock if the run was in this process.
 - ``task_unknown`` / ``task_rejected`` (a message the consumer discards: a task this worker does
   not register, a content type it does not accept), ``task_failure`` (a pool child killed while
@@ -39,9 +39,11 @@ import time
 from typing import Any
 
 from celery import signals as celery_signals
+from celery.states import SUCCESS
 
 from ..errors import ConfigError
-from . import discarded, held, retrycopy
+from . import discarded, held
+from .runstate import run_of
 from .settings import app_settings_and_redlock, close_app_redlock
 from .slots import PUBLISHED_HEADER
 
@@ -65,11 +67,42 @@ def release_after_run(
     sender: Any = None, task_id: str | None = None, state: str | None = None, **_: Any
 ) -> None:
     held.finish_after_run(sender, task_id, state or "UNKNOWN")
-    # The tracer sends postrun whatever happened before it: a RETRY store that raised (a backend
-    # down) or a task's own on_retry that raised skip task_retry, and a body that went on after
-    # retry(throw=False) ends with another state; the copy held back for any of them goes out
-    # here (see retrycopy.py). A run that retried nothing pays one look.
-    retrycopy.publish_held_back(sender, getattr(sender, "request", None))
+    if state != SUCCESS:  # a run that succeeded retried nothing: the usual run pays one compare
+        # The tracer sends postrun whatever happened before it: a RETRY store that raised (a
+        # backend down) or a task's own on_retry that raised skip task_retry, and the lock
+        # retry held back for it is published here instead.
+        publish_lock_retry(sender, getattr(sender, "request", None))
+
+
+def publish_lock_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """Publish the lock retry ``request``'s run held back (``contend.retry``), now that the
+    tracer has stored its RETRY state (``task_retry``; ``task_postrun`` when that store or the
+    task's ``on_retry`` raised, which skips ``task_retry``). At most once: the run hands its
+    copy out once. A publish that fails leaves nothing to run the task again: the run is
+    recorded as failed with that error (where the task stores errors), never left to read
+    RETRY for ever."""
+    run = run_of(request)
+    sig = None if run is None else run.take_retry()
+    if sig is None:
+        return  # not a lock retry (the body's own self.retry() published its copy)
+    try:
+        sig.apply_async()
+    except Exception as exc:
+        task_id = getattr(request, "id", None)
+        logger.error(
+            "task %s[%s]: its lock retry could not be published (%s: %s); the run is recorded as failed",
+            getattr(sender, "name", "?"),
+            task_id,
+            type(exc).__name__,
+            exc,
+        )
+        ignored = getattr(sender, "ignore_result", False) or getattr(request, "ignore_result", False)
+        if ignored and not getattr(sender, "store_errors_even_if_ignored", False):
+            return  # the task stores no result, as Celery would store none of this failure
+        try:
+            sender.backend.mark_as_failure(task_id, exc, request=request)
+        except Exception:
+            logger.exception("task %s: its failure could not be stored either", task_id)
 
 
 def release_revoked(request: Any = None, terminated: bool = False, **_: Any) -> None:
@@ -125,7 +158,7 @@ def stop_metrics(**kwargs: Any) -> None:
 _HOOKS = (
     (celery_signals.before_task_publish, stamp_publish_time),
     (celery_signals.task_postrun, release_after_run),
-    (celery_signals.task_retry, retrycopy.publish_held_back),
+    (celery_signals.task_retry, publish_lock_retry),
     (celery_signals.task_revoked, release_revoked),
     # A marker lasts no longer than its message (see discarded.py's INVARIANT).
     (celery_signals.task_unknown, discarded.drop_discarded_marker),

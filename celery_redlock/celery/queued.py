@@ -24,7 +24,6 @@ from ..lock.holder import parse
 from ..lock.markers import HandoverLock, side_key
 from ..lock.redlock import Redlock
 from ..lock.resource import HOLDER_SEPARATOR, Lock, lock_key
-from .held import Held
 from .settings import RedlockSettings, app_settings_and_redlock
 
 logger = logging.getLogger("celery_redlock.enqueue")
@@ -319,29 +318,3 @@ def is_queued(task: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bo
     a publish under way to return, see _place_settled). One round; nothing published. Raises
     :class:`MastersUnavailable` when too few masters answered to tell."""
     return _own_holder(task, args, kwargs, pending=True, question="whether a task is queued") is not None
-
-
-def hand_back(held: Held, pending: tuple[str, float] | None) -> bool:
-    """At the end of a run that re-published itself (``pending``: the new message's marker value
-    and ttl, see RunState.requeued): swap its lock for that marker instead of releasing it.
-    True if the lock was dealt with here (released or swapped)."""
-    if pending is None:
-        return False
-    value, ttl = pending
-    lock = held.lock
-    token = lock.token
-    if token is None:
-        return False
-    swapped = markers.hand_back(lock.redlock, lock.key, token, value, ttl)
-    if not swapped:
-        logger.warning(
-            "task %s: lock %s could not be handed to its re-published message's marker (lost, or "
-            "no quorum answered); the message is queued unmarked",
-            held.task_id,
-            lock.name,
-        )
-    # Forgets the token; on the masters the compare finds the marker (or nothing) and deletes
-    # nothing of it.
-    lock.release()
-    logger.debug("task %s: lock %s handed to its re-published message", held.task_id, lock.name)
-    return True

@@ -18,7 +18,6 @@ from contextvars import Token
 from dataclasses import dataclass
 from typing import Any
 
-from ..lock.markers import Placed
 from ..lock.owner import OwnerScope, close_scope, open_scope
 from .held import Held
 
@@ -54,11 +53,8 @@ class RunState:
     # The publish time this run's slot was placed by, when its message carried none (see
     # task._redlock_unstamped_time); a lock retry carries it on, so the retry keeps the slot.
     published: float | None = None
-    # The marker a body's own held-back retry copy carries (see enqueue.mark_retry_copy): where
-    # it was placed, its full TTL, and since when (monotonic); kept once the copy is published.
-    handed: tuple[Placed, float, float] | None = None
     # The copy of this message a lock retry publishes (a Celery signature), held back until the
-    # tracer has stored this run's RETRY state (see retrycopy.publish_held_back).
+    # tracer has stored this run's RETRY state (see hooks.publish_lock_retry).
     retry: Any = None
 
     # -- before_start ---------------------------------------------------------------------------
@@ -111,11 +107,6 @@ class RunState:
     def requeued(self, value: str, ttl: float) -> None:
         """The run re-published itself with a marker: its lock is to become that marker."""
         self.requeue = (value, ttl)
-
-    def take_handed(self) -> tuple[Placed, float, float] | None:
-        """The marker a held-back retry copy carries, once."""
-        handed, self.handed = self.handed, None
-        return handed
 
     # -- the end --------------------------------------------------------------------------------
     def finish(self) -> Held | None:

@@ -24,6 +24,15 @@ raises (:func:`.tracer.run_and_finish`). ``after_return`` and the ``task_postrun
 as backstops for what that could not release (a subclass ``__call__`` that bypasses ours, a
 terminate signal); each release is idempotent. A body that calls ``self.retry()`` still keeps
 its lock until it has really ended.
+
+INVARIANT (a retry's outcome is its copy's): a run whose body retries (``raise self.retry()``)
+keeps its lock until the tracer has stored its RETRY state, and releases it in
+``after_return`` (``task_postrun`` if that store raised). A retry is not the task's completion:
+its copy, published by Celery before the body raised (so no crash can lose it), is the same
+task going on. Released as the body ended, the copy could take the lock at once on another
+worker, finish, and store SUCCESS before the RETRY it follows, which would then stand for
+ever: the work done, its result never seen. Held, the copy finds its own earlier attempt on the
+key and waits for it (see contend.contended).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from ..errors import ConfigError, NotLocked, name_masters
 from ..lock.heartbeat import process_heartbeat
 from ..lock.reentrant import ReentrantLock, forget_holding
 from ..lock.resource import Lock
-from . import contend, enqueue, retrycopy, signals
+from . import contend, enqueue, signals
 from . import held as registry
 from . import options as option_table
 from .contend import ATTEMPT_HEADER, EAGER_UNAVAILABLE_WAIT
@@ -201,8 +210,6 @@ class RedlockTaskMixin:
     ) -> Any:
         """Celery's ``apply_async``; with ``lock_enqueue``, a call whose resource is already
         queued or running publishes nothing (see :mod:`.enqueue`)."""
-        if retrycopy.held_back(self, args, kwargs, task_id, options, enqueue.mark_retry_copy):
-            return None  # the body's own retry copy: published once its run's state is stored
         if self.lock_enqueue is False:
             return super().apply_async(args, kwargs, task_id, **options)  # type: ignore[misc]
         return enqueue.apply_async(self, super().apply_async, args, kwargs, task_id, options)  # type: ignore[misc]
@@ -280,10 +287,9 @@ class RedlockTaskMixin:
 
         Celery may decide not to retry (``MaxRetriesExceededError``, caught by the body to run a
         fallback), and ``retry(throw=False)`` returns into the body: both still run under the
-        lock, which is released as the body ends. The copy Celery publishes is held back until
-        the tracer has stored this run's state (see :mod:`.retrycopy`), so the copy's outcome is
-        the one that stands; a copy that arrives while the lock is still held (a redelivery)
-        finds this very task's lock and waits for it (see contend.contended).
+        lock. It is released once the run's RETRY state is stored (see the module's INVARIANT); a
+        retried copy that arrives before then finds this very task's lock and waits for it (see
+        contend.contended).
 
         The retried run starts its lock attempts afresh: the lock retries this run needed
         before it got in are not charged to the next one's ``lock_max_retries``. It carries
@@ -299,7 +305,7 @@ class RedlockTaskMixin:
             if publish is not None:
                 headers[PUBLISH_ID_HEADER] = publish
             kwargs["headers"] = headers
-        return retrycopy.own_retry(self, super().retry, args, kwargs)  # type: ignore[misc]
+        return super().retry(*args, **kwargs)  # type: ignore[misc]
 
     def replace(self, sig: Any) -> Any:
         """Celery's replace. In an eager run the replacement runs here, inside this body, under

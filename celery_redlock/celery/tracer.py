@@ -64,8 +64,9 @@ def ended_state(exc: BaseException) -> str:
 
 def run_and_finish(task: Any, run: RunState, body: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``body(*args, **kwargs)``, the body of the tracer's call of the locked ``run``; its lock is
-    released as it ends, whichever way (see task.py's INVARIANT: the release happens before
-    the tracer reports the run). try/finally costs nothing on the way through."""
+    released as it ends, whichever way but a retry (see task.py's INVARIANT: the release happens
+    before the tracer reports the run; a retried run's, right after its RETRY state is stored).
+    try/finally costs nothing on the way through."""
     state = FAILURE
     try:
         result = body(*args, **kwargs)
@@ -75,7 +76,8 @@ def run_and_finish(task: Any, run: RunState, body: Callable[..., Any], *args: An
         state = ended_state(exc)
         raise
     finally:
-        task._redlock_finish(state, run)
+        if state != RETRY:
+            task._redlock_finish(state, run)
 
 
 def guard_call(own_call: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,7 +1,7 @@
 """Attacks on a lock retry held back until its run's RETRY state is stored.
 
 Celery's tracer (``Info.handle_retry``) runs ``mark_as_retry``, then ``task.on_retry``, then
-sends ``task_retry``, where ``retrycopy.publish_held_back`` publishes the held-back copy. Anything
+sends ``task_retry``, where ``hooks.publish_lock_retry`` publishes the held-back copy. Anything
 that raises before the signal (a result backend that is down, a user's ``on_retry``) skips it;
 the copy must then still be published as the run ends (``task_postrun``), as Celery's own
 ``self.retry()`` would have published it. And the copy is published once: a body's own

@@ -1,12 +1,12 @@
 """A retry's outcome is the retried copy's, however late its run's RETRY state is stored.
 
-Celery's own ``self.retry()`` publishes the copy before the tracer stores the RETRY state. The
-run's lock is released as its body ends, so a copy that gets the lock at once can finish, and
-store SUCCESS, before the RETRY of the run before it lands, which then stands for ever: the work
-done, ``.get()`` waiting until its timeout. Both a lock retry and the body's own
-``self.retry()`` publish their copy once that state is stored (see ``retrycopy.py``); here, on a
-real worker whose backend writes RETRY 0.4 s after reading what was stored, a copy whose body
-succeeds ends SUCCESS and one whose body raises ends FAILURE.
+Celery's own ``self.retry()`` publishes the copy before the tracer stores the RETRY state. A
+copy that gets the lock at once can finish, and store SUCCESS, before the RETRY of the run before
+it lands, which then stands for ever: the work done, ``.get()`` waiting until its timeout. A lock
+retry publishes its copy once that state is stored (see ``contend.retry``); a run whose body
+retries keeps its lock until then (see task.py's INVARIANT), so its copy, published early,
+waits. Here, on a real worker whose backend writes RETRY 0.4 s after reading what was stored, a
+copy whose body succeeds ends SUCCESS and one whose body raises ends FAILURE.
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def test_a_lock_retry_is_not_overwritten_by_the_late_retry_state_of_the_attempt_
 def test_a_bodys_own_retry_is_not_overwritten_by_its_late_retry_state(
     slow_store_worker: tuple[Any, str],
 ) -> None:
-    """``own_retry`` calls ``self.retry(countdown=0)`` once; its copy, free to take the released
-    lock at once on another thread, must not be published until the RETRY has been written."""
+    """``own_retry`` calls ``self.retry(countdown=0)`` once; its copy, published before the body
+    raised and free to run at once on another thread, must not finish before the RETRY has been
+    written."""
     module, queue = slow_store_worker
     keys = [uuid.uuid4().hex[:8] for _ in range(3)]
     results = [module.own_retry.apply_async((key, 0.0), queue=queue) for key in keys]
@@ -79,12 +80,11 @@ def test_a_bodys_own_retry_is_not_overwritten_by_its_late_retry_state(
 
 
 @pytest.mark.timeout(90)
-def test_a_retry_the_body_swallows_is_published_after_the_run_ends(
+def test_a_retry_the_body_swallows_still_runs_once(
     slow_store_worker: tuple[Any, str],
 ) -> None:
-    """A body that catches the ``Retry`` its ``self.retry()`` raised ends SUCCESS, and the tracer
-    sends no ``task_retry``: the held-back copy is published as the run ends, and runs (as
-    Celery's own retry, published before the raise, would)."""
+    """A body that catches the ``Retry`` its ``self.retry()`` raised ends SUCCESS, its lock
+    released as it ends: the copy Celery published runs, once."""
     module, queue = slow_store_worker
     key = uuid.uuid4().hex[:8]
     result = module.own_retry_swallowed.apply_async((key,), queue=queue)

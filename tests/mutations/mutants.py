@@ -218,11 +218,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 TRACER,
-                "        state = ended_state(exc)\n"
-                "        raise\n"
-                "    finally:\n"
-                "        task._redlock_finish(state, run)\n",
-                "        state = ended_state(exc)\n        raise\n    finally:\n        pass\n",
+                "    finally:\n        if state != RETRY:\n            task._redlock_finish(state, run)\n",
+                "    finally:\n        pass\n",
             ),
         ),
     ),
@@ -509,10 +506,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 REFERENCE,
-                "        # connection's socket (no shutdown in a process that did not open it).\n"
-                "        self._sites = [_Site(master) for master in self.masters]\n",
-                "        # connection's socket (no shutdown in a process that did not open it).\n"
-                "        pass\n",
+                "        old, self._sites = self._sites, [_Site(master) for master in self.masters]\n",
+                "        old: list[_Site] = []\n",
             ),
         ),
     ),
@@ -934,54 +929,19 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 "celery_redlock/celery/hooks.py",
-                '    retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
-                "    pass\n",
+                "    if state != SUCCESS:  # a run that succeeded",
+                "    if False:  # a run that succeeded",
             ),
         ),
     ),
     Mutant(
-        "swallowed_retry_never_published",
-        "a copy held back by retry(throw=False) is published only by task_retry, which a run that "
-        "went on to succeed never sends: the retry is lost",
-        (
-            "tests/celery/test_celery_retry_store.py::test_a_retry_that_does_not_throw_is_published_after_the_run_ends",
-        ),
-        (
-            Edit(
-                HOOKS,
-                '    retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
-                '    if state != "SUCCESS":\n'
-                '        retrycopy.publish_held_back(sender, getattr(sender, "request", None))\n',
-            ),
-        ),
-    ),
-    Mutant(
-        "held_back_retry_copy_unmarked_until_published",
-        "a body's own retry copy is given no marker until it is published: the run's lock is "
-        "released as it ends, and a duplicate published before the copy is queued beside it",
-        ("tests/celery/test_celery_enqueue.py::test_a_retry_keeps_the_key_for_the_retried_message",),
-        (
-            Edit(
-                ENQUEUE,
-                "    held = run.held\n    if mode_of(task) is None or held is None",
-                "    held = run.held\n    if True or held is None",
-            ),
-        ),
-    ),
-    Mutant(
-        "own_retry_published_before_its_retry_state",
-        "a body's own self.retry() publishes its copy before the run's RETRY state is stored: a "
-        "copy that ends first has its SUCCESS overwritten by that RETRY for ever",
+        "own_retry_released_before_its_retry_state",
+        "a run that retries itself releases its lock as its body ends: the copy Celery published "
+        "takes it at once, finishes first, and has its SUCCESS overwritten by that RETRY for ever",
         (
             "tests/celery/test_celery_retry_store.py::test_a_bodys_own_retry_is_not_overwritten_by_its_late_retry_state",
         ),
-        (
-            Edit(
-                "celery_redlock/celery/retrycopy.py",
-                "    if run is None:\n        return False\n",
-                "    return False\n",
-            ),
-        ),
+        (Edit("celery_redlock/celery/tracer.py", "        if state != RETRY:\n", "        if True:\n"),),
     ),
     Mutant(
         "forget_swallows_the_owed_announcement",
