@@ -220,12 +220,35 @@ REFERENCE_PARENT_THEN_DIES = PARENT_THEN_DIES.replace(
 )
 assert REFERENCE_PARENT_THEN_DIES != PARENT_THEN_DIES
 
+# The same with the asyncio Redlock, forked from inside its running loop (a worker pool that
+# forks an asyncio process): the child never runs that loop, and keeps the parent's Redlock.
+ASYNC_PARENT_THEN_DIES = textwrap.dedent(
+    """
+    import asyncio, os, select, signal, sys
+    from celery_redlock import AsyncRedlock
+
+    async def main():
+        rl = AsyncRedlock(sys.argv[1:], retry_count=0)
+        lock = rl.lock("fork-kept-fds-async", ttl=5)
+        assert await lock.acquire(timeout=5)
+        await lock.release()
+        child = os.fork()
+        if child == 0:
+            select.select([sys.stdin], [], [], 30)
+            os._exit(0)
+        print(child, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    asyncio.run(main())
+    """
+)
+
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "script",
-    [PARENT_THEN_DIES, PARENT_HOLDING_THEN_DIES, REFERENCE_PARENT_THEN_DIES],
-    ids=["dropped", "held-by-a-thread", "reference-transport-lanes"],
+    [PARENT_THEN_DIES, PARENT_HOLDING_THEN_DIES, REFERENCE_PARENT_THEN_DIES, ASYNC_PARENT_THEN_DIES],
+    ids=["dropped", "held-by-a-thread", "reference-transport-lanes", "asyncio"],
 )
 def test_a_forked_child_does_not_keep_its_parents_connections_open(masters: ServerSet, script: str) -> None:
     """A child inherits copies of its parent's sockets. Before d55e643 the fork reset

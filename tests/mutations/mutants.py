@@ -1013,6 +1013,27 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "async_links_kept_in_a_child",
+        "a forked child keeps its copies of an AsyncRedlock's connections: they outlive the parent",
+        (
+            "tests/core/test_link_sets.py::test_a_forked_child_does_not_keep_its_parents_connections_open"
+            "[embedded-asyncio]",
+        ),
+        (Edit("celery_redlock/lock/aio/link.py", "on_fork_in_child(_let_go_inherited)\n", ""),),
+    ),
+    Mutant(
+        "async_child_not_told_of_the_fork",
+        "a forked child calling its parent's AsyncRedlock is told only of another event loop",
+        ("tests/asyncio/test_async_fork.py",),
+        (
+            Edit(
+                "celery_redlock/lock/aio/exchange.py",
+                "        if self.pid != pid():\n",
+                "        if False:\n",
+            ),
+        ),
+    ),
+    Mutant(
         "connects_share_a_small_pool",
         "connects run on a shared pool of four threads: a connect queued behind hung ones starts "
         "a whole timeout late, and a healthy Redlock waits for another's unreachable master",

@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+from ..._fork import pid
 from ...errors import ConfigError
 from ..rounds import Call, CallMany, Interrupted, Request, Send, Steps
 from ..transport.commands import LATE, NOT_AWAITED, NOT_SENT, Command, Outcome, pack_command
@@ -194,8 +195,9 @@ class AsyncExchange:
             self._links[i] = link
 
     def _check_refusal(self) -> None:
-        if asyncio.get_running_loop() is not self._transport.loop:
-            self._transport.bind_loop()
+        transport = self._transport
+        if asyncio.get_running_loop() is not transport.loop or transport.pid != pid():
+            transport.bind_loop()
         for site in self._sites:
             if site.master.refusal:
                 raise ConfigError(site.master.refusal)  # two masters found to be one server
@@ -238,9 +240,18 @@ class AsyncTransport:
         # The event loop of the first call: the links, their readers and the deadline timer are
         # its. From another loop nothing would read their replies nor expire the calls (a hang).
         self.loop: asyncio.AbstractEventLoop | None = None
+        # The process that made it: a forked child let go of its links (see link.py), and its
+        # copy of the loop, if it runs one, is no longer the one they belonged to.
+        self.pid = pid()
 
     def bind_loop(self) -> None:
-        """Bind to the running loop at the first call; from any other loop, a ConfigError."""
+        """Bind to the running loop at the first call; from any other loop, or from a forked
+        child, a ConfigError."""
+        if self.pid != pid():
+            raise ConfigError(
+                f"this AsyncRedlock was made in process {self.pid}, not in this one ({pid()}, a "
+                "forked child): open one AsyncRedlock in each process"
+            )
         loop = asyncio.get_running_loop()
         if self.loop is not None and loop is not self.loop:
             raise ConfigError(

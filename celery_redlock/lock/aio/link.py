@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
+import os
+import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
+from ..._fork import on_fork_in_child
 from .. import wire
 from ..transport.commands import COMMON_OK, NOSCRIPT, REPLY_ERROR, Command, Outcome, eval_form
 from ..transport.master import Master
@@ -81,6 +85,7 @@ class Link(asyncio.Protocol):
         # Called once the queue empties (the site then takes the link back as idle).
         self.on_drained: Callable[[Link], None] | None = None
         self._on_lost = on_lost
+        _made.add(self)  # see _let_go_inherited
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -154,3 +159,38 @@ class Link(asyncio.Protocol):
                 logger.warning("master %s lost a script and a release could not be resent", self.master.name)
         if sink is not None:
             sink.put(entry.slot, outcome_of(reply, self.master))
+
+
+# Every link this process made, held weakly: a forked child lets go of its copies of their sockets.
+_made: weakref.WeakSet[Link] = weakref.WeakSet()
+
+
+def _let_go_inherited() -> None:
+    """In a forked child: let go of the child's copy of every link's socket.
+
+    The child never runs its parent's event loop, and whatever holds the parent's AsyncRedlock
+    (a module, a coroutine frame that was running at the fork) keeps its links, and their
+    sockets, for as long as the child lives: the parent's connections would stay open on the
+    masters after the parent is gone. Each copy is pointed at /dev/null instead of closed: the
+    connection is then the parent's alone, and the descriptor number stays the copied
+    transport's, so nothing it does later (a close when it is collected) can reach a
+    descriptor the child has opened since.
+    """
+    links = list(_made)
+    _made.clear()
+    if not links:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for link in links:
+            transport = link.transport
+            sock = None if transport is None else transport.get_extra_info("socket")
+            fd = -1 if sock is None else sock.fileno()
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
+on_fork_in_child(_let_go_inherited)
