@@ -26,8 +26,9 @@ terminate signal); each release is idempotent. A body that calls ``self.retry()`
 its lock until it has really ended.
 
 INVARIANT (a retry's outcome is its copy's): a run whose body retries (``raise self.retry()``)
-keeps its lock until the tracer has stored its RETRY state, and releases it in
-``after_return`` (``task_postrun`` if that store raised). A retry is not the task's completion:
+keeps its lock until the tracer has stored its RETRY state and run ``on_retry``, and the
+``task_postrun`` hook releases it (Celery calls no ``after_return`` for RETRY; postrun is sent
+whatever the store did). A retry is not the task's completion:
 its copy, published by Celery before the body raised (so no crash can lose it), is the same
 task going on. Released as the body ended, the copy could take the lock at once on another
 worker, finish, and store SUCCESS before the RETRY it follows, which would then stand for

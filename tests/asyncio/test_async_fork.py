@@ -21,8 +21,10 @@ CHILD_USES_PARENTS = textwrap.dedent(
             await rl.lock("async-fork-child", ttl=5).acquire(blocking=False)
         except ConfigError as exc:
             print("refused:", exc, flush=True)
-            return 0
-        return 3
+        else:
+            return 3
+        await rl.aclose()  # the parent's tasks and connections are not the child's to end
+        return 0
 
     async def main():
         rl = AsyncRedlock(sys.argv[1:], retry_count=0)

@@ -231,6 +231,9 @@ ASYNC_PARENT_THEN_DIES = textwrap.dedent(
         rl = AsyncRedlock(sys.argv[1:], retry_count=0)
         lock = rl.lock("fork-kept-fds-async", ttl=5)
         assert await lock.acquire(timeout=5)
+        # A wait while it is held opens the listening links (one per master), kept by the
+        # subscriber through their protocol, not as links.
+        assert not await rl.lock("fork-kept-fds-async", ttl=5).acquire(timeout=0.3)
         await lock.release()
         child = os.fork()
         if child == 0:

@@ -1022,6 +1022,16 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/aio/link.py", "on_fork_in_child(_let_go_inherited)\n", ""),),
     ),
     Mutant(
+        "async_listening_links_kept_in_a_child",
+        "a forked child keeps its copies of an AsyncRedlock's listening connections (their link "
+        "is dropped once its transport speaks to the subscriber): they outlive the parent",
+        (
+            "tests/core/test_link_sets.py::test_a_forked_child_does_not_keep_its_parents_connections_open"
+            "[embedded-asyncio]",
+        ),
+        (Edit("celery_redlock/lock/aio/subscriber.py", "        let_go_in_a_child(ear)", "        pass"),),
+    ),
+    Mutant(
         "async_child_not_told_of_the_fork",
         "a forked child calling its parent's AsyncRedlock is told only of another event loop",
         ("tests/asyncio/test_async_fork.py",),

@@ -85,7 +85,7 @@ class Link(asyncio.Protocol):
         # Called once the queue empties (the site then takes the link back as idle).
         self.on_drained: Callable[[Link], None] | None = None
         self._on_lost = on_lost
-        _made.add(self)  # see _let_go_inherited
+        let_go_in_a_child(self)
 
     # -- asyncio.Protocol -------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -161,12 +161,20 @@ class Link(asyncio.Protocol):
             sink.put(entry.slot, outcome_of(reply, self.master))
 
 
-# Every link this process made, held weakly: a forked child lets go of its copies of their sockets.
-_made: weakref.WeakSet[Link] = weakref.WeakSet()
+# The protocol of every connection this process made (a Link; a listening link's ear, once the
+# subscriber has switched its transport to it), held weakly: a forked child lets go of its copies
+# of their sockets.
+_made: weakref.WeakSet[asyncio.Protocol] = weakref.WeakSet()
+
+
+def let_go_in_a_child(protocol: asyncio.Protocol) -> None:
+    """Register ``protocol`` (whose ``transport`` attribute is its connection's, once made): a
+    forked child lets go of its copy of that socket (see :func:`_let_go_inherited`)."""
+    _made.add(protocol)
 
 
 def _let_go_inherited() -> None:
-    """In a forked child: let go of the child's copy of every link's socket.
+    """In a forked child: let go of the child's copy of every connection's socket.
 
     The child never runs its parent's event loop, and whatever holds the parent's AsyncRedlock
     (a module, a coroutine frame that was running at the fork) keeps its links, and their
@@ -176,14 +184,14 @@ def _let_go_inherited() -> None:
     transport's, so nothing it does later (a close when it is collected) can reach a
     descriptor the child has opened since.
     """
-    links = list(_made)
+    protocols = list(_made)
     _made.clear()
-    if not links:
+    if not protocols:
         return
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        for link in links:
-            transport = link.transport
+        for protocol in protocols:
+            transport = getattr(protocol, "transport", None)
             sock = None if transport is None else transport.get_extra_info("socket")
             fd = -1 if sock is None else sock.fileno()
             if fd >= 0:

@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ..._fork import pid
 from ..._validate import flag
 from ...errors import ConfigError, Vote
 from .. import rounds
@@ -154,8 +155,12 @@ class AsyncRedlock(Settings):
 
     async def aclose(self) -> None:
         """Close every connection and end every task this AsyncRedlock started (keep-alives
-        first: a held lock is no longer extended, and expires with its TTL)."""
+        first: a held lock is no longer extended, and expires with its TTL). In a forked child,
+        only marks it closed: its tasks and connections are the parent's (the child let go of
+        its copies of the sockets at the fork)."""
         self._closed = True
+        if self.transport.pid != pid():
+            return
         tasks = list(self.keepalives)
         for task in tasks:
             task.cancel()

@@ -26,6 +26,7 @@ from .. import rooms, wire
 from .. import subscriber as timings  # read at each use: tests shorten them
 from ..clock import now
 from ..rooms import Plan, Room, Waiter
+from .link import let_go_in_a_child
 
 if TYPE_CHECKING:
     from .exchange import AsyncTransport
@@ -242,6 +243,7 @@ class AsyncSubscriber:
         ear = _Ear(self, listener)
         ear.transport = transport
         transport.set_protocol(ear)  # from now on its bytes are pushes, parsed by the ear
+        let_go_in_a_child(ear)  # the link is dropped: a forked child must still reach its socket
         listener.ear = ear
         listener.backoff = 0.0
         listener.sent = set()
