@@ -15,9 +15,13 @@ import functools
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
+
+from . import scripts
+from .transport.commands import Command, Outcome, script_template
 
 # Between a token's random part and the holder text stored with it (see Redlock.lock).
 HOLDER_SEPARATOR = "|"
@@ -25,6 +29,8 @@ HOLDER_SEPARATOR = "|"
 # The fields a run's record shares with every other run of its task in this process, in the
 # order they are written after the per-run ones (task, since), before the last (publish).
 _SHARED = ("name", "host", "pid", "proc", "ttl", "heartbeat", "queued", "published")
+
+_INSPECT = script_template(scripts.INSPECT, 2, 0)  # key, queue key (see holder_read)
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,31 @@ def describe_holder(text: str | None, at: float | None = None) -> str:
     if said == "an unnamed holder" and text:
         return repr(text)  # a label of one's own, or a record that names nobody: as it is
     return said
+
+
+def holder_read(key: str) -> Command:
+    """What reads who holds lock key ``key`` on one master: INSPECT (one atomic look), which
+    answers for a plain lock's string and a reentrant lock's hash alike, where a GET of a hash
+    is refused (WRONGTYPE) and a contender would learn nothing of its holder."""
+    # The queue's length is not wanted here: the lock key stands in for the queue's key (a lock
+    # key is never a sorted set, so INSPECT counts 0 for it).
+    return _INSPECT.pack(key, key)
+
+
+def holder_of(outcomes: Sequence[Outcome], quorum: int) -> str | None:
+    """The holder text of the token a quorum of masters hold, from each master's reply to
+    :func:`holder_read` (see :func:`agreed`): a plain lock's value, or the one token of a
+    reentrant lock's hash (one owner holds it at a time)."""
+    values: list[bytes | None] = []
+    for outcome in outcomes:
+        reply = outcome.value if outcome.kind == "ok" else None
+        # {type, pttl, queued, value} for a string; {type, pttl, queued, token, count} for a hash
+        # that one owner holds; anything else (absent, several tokens, an error) holds none.
+        if isinstance(reply, list) and len(reply) == {b"string": 4, b"hash": 5}.get(reply[0]):
+            values.append(reply[3] if isinstance(reply[3], bytes) else None)
+        else:
+            values.append(None)
+    return agreed(values, quorum)
 
 
 def agreed(values: list[bytes | None], quorum: int) -> str | None:

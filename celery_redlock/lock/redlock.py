@@ -33,7 +33,7 @@ from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .fair import FairLock
 from .fencing import FencedLock
-from .holder import agreed
+from .holder import holder_of, holder_read
 from .reentrant import ReentrantLock
 from .resource import Lock, lock_key
 from .rounds import drive
@@ -359,7 +359,10 @@ class Redlock(Settings):
         """The ``holder`` text of the lock a quorum of masters holds on resource ``name`` ("" if
         it was taken without one), or None when no quorum holds one token (free, expiring, or
         not answering). One round; asked by a contender, never on the way to a lock."""
-        return agreed(self.read_everywhere(lock_key(self.key_prefix, name)), self.quorum)
+        read = holder_read(lock_key(self.key_prefix, name))
+        with self._round() as rnd:
+            outcomes = rnd.call([read] * len(self.masters), self.request_timeout)
+        return holder_of(outcomes, self.quorum)
 
     def holders(self, key: str) -> int:
         """How many masters hold ``key`` at all (by any token)."""

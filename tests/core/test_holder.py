@@ -76,3 +76,15 @@ def test_a_with_block_refused_names_the_holder(rl: Redlock) -> None:
         assert caught.value.holder.startswith("task charge abc on w3 pid 4411")
     finally:
         held.release()
+
+
+@pytest.mark.timeout(30)
+def test_a_reentrant_locks_holder_is_read_as_a_plain_locks(masters: ServerSet) -> None:
+    """A reentrant lock's key is a hash, which a GET is refused (WRONGTYPE): read that way, a
+    contender learned nothing of its holder, and a lock_reentrant task's duplicate that should
+    have been skipped (lock_contended="skip") was retried and ran after it."""
+    with Redlock(masters.urls, retry_count=0) as mine, Redlock(masters.urls, retry_count=0) as other:
+        lock = mine.lock("held-reentrant", ttl=10, holder='{"task":"t-2"}', reentrant=True)
+        with lock, lock:  # entered twice: still one token on each master
+            assert other.holder("held-reentrant") == '{"task":"t-2"}'
+        assert other.holder("held-reentrant") is None

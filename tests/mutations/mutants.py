@@ -1032,6 +1032,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/aio/subscriber.py", "        let_go_in_a_child(ear)", "        pass"),),
     ),
     Mutant(
+        "reentrant_holder_unread",
+        "who holds a reentrant lock is not read (its key is a hash): a lock_reentrant task's "
+        "duplicate is retried and runs instead of being skipped or failed",
+        ("tests/core/test_holder.py::test_a_reentrant_locks_holder_is_read_as_a_plain_locks",),
+        (Edit("celery_redlock/lock/holder.py", '{b"string": 4, b"hash": 5}', '{b"string": 4}'),),
+    ),
+    Mutant(
         "async_child_not_told_of_the_fork",
         "a forked child calling its parent's AsyncRedlock is told only of another event loop",
         ("tests/asyncio/test_async_fork.py",),

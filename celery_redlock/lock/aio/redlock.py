@@ -18,7 +18,7 @@ from ..._validate import flag
 from ...errors import ConfigError, Vote
 from .. import rounds
 from ..commands import PLAIN, Commands
-from ..holder import agreed
+from ..holder import holder_of, holder_read
 from ..rounds import Steps
 from ..settings import Settings, lock_kind
 from ..state import lock_key
@@ -147,11 +147,10 @@ class AsyncRedlock(Settings):
         One round; asked by a contender, never on the way to a lock."""
         if self._closed:
             raise ConfigError("this AsyncRedlock is closed")
-        get = ("GET", lock_key(self.key_prefix, name))
+        read = holder_read(lock_key(self.key_prefix, name))
         with self.transport.round() as exchange:
-            outcomes = await exchange.call([get] * len(self.masters), self.request_timeout)
-        values = [o.value if o.kind == "ok" and isinstance(o.value, bytes) else None for o in outcomes]
-        return agreed(values, self.quorum)
+            outcomes = await exchange.call([read] * len(self.masters), self.request_timeout)
+        return holder_of(outcomes, self.quorum)
 
     async def aclose(self) -> None:
         """Close every connection and end every task this AsyncRedlock started (keep-alives
