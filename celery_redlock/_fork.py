@@ -25,7 +25,7 @@ import inspect
 import logging
 import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -58,6 +58,38 @@ def on_fork_in_child(callback: Callable[[], None]) -> None:
         _methods.setdefault(callback.__self__, []).append(callback.__func__)
     else:
         _functions.append(callback)
+
+
+def let_go_of_inherited(sockets: Iterable[Any]) -> None:
+    """In a forked child: let go of the child's copies of ``sockets`` (socket objects, or
+    anything with ``fileno()``), the parent's connections, without ending them.
+
+    Each descriptor is pointed at /dev/null (``dup2``) rather than closed or shut down: the
+    connection is then the parent's alone and closes when the parent does, while the number
+    stays the copied socket object's, so nothing that object does later (a close when it is
+    collected) can reach a descriptor the child has opened since. A socket already closed
+    answers -1 and is left alone (its old number may be another file's now). The one rule for
+    every owner of connections that a fork can leave behind (a thread's frame that no longer
+    runs, a loop that never runs again in the child).
+    """
+    null = -1
+    try:
+        for sock in sockets:
+            try:
+                fd = sock.fileno()
+            except (OSError, ValueError):
+                continue
+            if fd < 0:
+                continue
+            if null < 0:
+                null = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(null, fd)
+            except OSError:
+                continue
+    finally:
+        if null >= 0:
+            os.close(null)
 
 
 def _after_fork_in_child() -> None:

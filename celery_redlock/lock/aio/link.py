@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
 
-from ..._fork import on_fork_in_child
+from ..._fork import let_go_of_inherited, on_fork_in_child
 from .. import wire
 from ..transport.commands import COMMON_OK, NOSCRIPT, REPLY_ERROR, Command, Outcome, eval_form
 from ..transport.master import Master
@@ -179,26 +177,13 @@ def _let_go_inherited() -> None:
     The child never runs its parent's event loop, and whatever holds the parent's AsyncRedlock
     (a module, a coroutine frame that was running at the fork) keeps its links, and their
     sockets, for as long as the child lives: the parent's connections would stay open on the
-    masters after the parent is gone. Each copy is pointed at /dev/null instead of closed: the
-    connection is then the parent's alone, and the descriptor number stays the copied
-    transport's, so nothing it does later (a close when it is collected) can reach a
-    descriptor the child has opened since.
+    masters after the parent is gone (see ``_fork.let_go_of_inherited``).
     """
     protocols = list(_made)
     _made.clear()
-    if not protocols:
-        return
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        for protocol in protocols:
-            transport = getattr(protocol, "transport", None)
-            sock = None if transport is None else transport.get_extra_info("socket")
-            fd = -1 if sock is None else sock.fileno()
-            if fd >= 0:
-                with contextlib.suppress(OSError):
-                    os.dup2(null, fd)
-    finally:
-        os.close(null)
+    transports = [getattr(protocol, "transport", None) for protocol in protocols]
+    sockets = [t.get_extra_info("socket") for t in transports if t is not None]
+    let_go_of_inherited(sock for sock in sockets if sock is not None)
 
 
 on_fork_in_child(_let_go_inherited)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import select
 import socket
 import ssl
@@ -16,7 +14,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..._fork import on_fork_in_child
+from ..._fork import let_go_of_inherited, on_fork_in_child
 from .. import waiting, wire
 from .commands import NOSCRIPT
 
@@ -234,27 +232,18 @@ _made: weakref.WeakSet[Link] = weakref.WeakSet()
 
 
 def _close_inherited() -> None:
-    """In a forked child: close the child's copy of the socket of every link the parent made.
+    """In a forked child: let go of the child's copy of the socket of every link the parent made.
 
     The owners of the links drop them in the child (Master, FastTransport, Subscriber), which
     closes a copy once nothing holds it. But a link that another thread of the parent held at
     the fork (a connector thread that had just made it, a heartbeat or a listener mid-round)
     is held for ever in the child: CPython does not free the frames of the threads that did
     not survive a fork. Its connection would stay open on the master for as long as the child
-    lives, after the parent is gone. Each socket is detached first, so the object left behind
-    owns no descriptor: nothing it does later (a close, a shutdown) can reach the parent's
-    connection or a descriptor number the child has reused.
+    lives, after the parent is gone (see ``_fork.let_go_of_inherited``).
     """
     links = list(_made)
     _made.clear()
-    for link in links:
-        try:
-            fd = link.sock.detach()
-        except OSError:
-            continue
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    let_go_of_inherited(link.sock for link in links)
 
 
 on_fork_in_child(_close_inherited)

@@ -31,6 +31,7 @@ import redis
 from redis._parsers import _RESP2Parser
 from redis.exceptions import RedisError, ResponseError
 
+from ..._fork import let_go_of_inherited
 from ...errors import ConfigError
 from .commands import (
     COMMON_OK,
@@ -281,14 +282,13 @@ class _Lane:
         self._drop()
 
     def close_inherited(self) -> None:
-        """In a forked child: close the child's copy of this lane's socket, nothing else (no
+        """In a forked child: let go of the child's copy of this lane's socket, nothing else (no
         shutdown, which would end the parent's connection too; no pool, whose lock a thread that
-        is gone may hold)."""
+        is gone may hold). See ``_fork.let_go_of_inherited``."""
         conn, self.conn = self.conn, None
         sock = getattr(conn, "_sock", None)
         if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.close()
+            let_go_of_inherited([sock])
 
     def _drop(self) -> None:
         if self.conn is not None:
