@@ -29,7 +29,7 @@ CHILD_USES_PARENTS = textwrap.dedent(
     async def main():
         rl = AsyncRedlock(sys.argv[1:], retry_count=0)
         lock = rl.lock("async-fork-child", ttl=5)
-        assert await lock.acquire(timeout=5)
+        assert await lock.acquire(timeout=5), lock.last_error
         await lock.release()
         child = os.fork()
         if child == 0:  # the child has no running loop (asyncio resets it): it runs one of its own
@@ -48,9 +48,11 @@ CHILD_USES_PARENTS = textwrap.dedent(
 
 
 @pytest.mark.timeout(60)
-def test_a_forked_child_is_refused_its_parents_async_redlock(server_set: ServerSet) -> None:
+def test_a_forked_child_is_refused_its_parents_async_redlock(masters: ServerSet) -> None:
+    # ``masters``: the session's servers brought back running (an earlier test may have
+    # stopped or paused some).
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD_USES_PARENTS, *server_set.urls],
+        [sys.executable, "-c", CHILD_USES_PARENTS, *masters.urls],
         capture_output=True,
         text=True,
         timeout=50,
