@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-VoteKind = Literal["yes", "held", "error", "timeout", "pending"]
+VoteKind = Literal["yes", "held", "error", "timeout"]
 
 
 @dataclass(frozen=True)
@@ -20,9 +20,8 @@ class Vote:
     """What one master answered in one round.
 
     ``kind`` is ``yes`` (it granted), ``held`` (another token holds the key), ``error`` (it
-    answered with an error, or its connection failed; ``detail`` says which), ``timeout`` (no
-    answer within ``request_timeout``) or ``pending`` (its answer was not waited for: a quorum
-    had granted already; it got the command, and the lock's release reaches it too).
+    answered with an error, or its connection failed; ``detail`` says which) or ``timeout`` (no
+    answer within ``request_timeout``).
     """
 
     master: str

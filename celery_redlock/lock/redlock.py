@@ -39,7 +39,7 @@ from .resource import Lock, lock_key
 from .rounds import drive
 from .settings import CLOCK_DRIFT_FLOOR, MAX_TTL, RedlockWarning, Settings, _min_ttl, lock_kind
 from .subscriber import Subscriber
-from .transport.commands import GRANTED, NOT_AWAITED, Command, Outcome
+from .transport.commands import Command, Outcome
 from .transport.fast import FastTransport
 from .transport.interface import Exchange, Transport
 from .transport.master import Master
@@ -199,7 +199,6 @@ class Redlock(Settings):
         seen: list[Outcome] | None = None,
         undo: Command | None = None,
         tidy: Command | None = None,
-        keep: list[Exchange] | None = None,
     ) -> tuple[float, list[Vote], float]:
         """One attempt. Returns (validity, votes, elapsed); validity > 0 means acquired.
 
@@ -215,63 +214,27 @@ class Redlock(Settings):
         instead (markers.HandoverLock); the late masters of a granted attempt are still sent the
         ``retraction``, unless the kind gives a ``tidy``: then every master that did not grant a
         granted attempt is sent that (it must retract a late grant as well).
-
-        ``keep`` (a list, for a kind that gives no ``seen``, ``undo`` or ``tidy``): the attempt
-        may stop waiting once a quorum granted; if it did, its exchange is appended there, open,
-        and the caller sends the lock's release (or retraction) through it, which closes it.
-
-        INVARIANT (an attempt stops at a quorum of grants): the lock is ours once a quorum
-        granted it, whatever the others answer, and its validity counts from before the first
-        send, so what is not waited for cannot lengthen it. A master not waited for (``pending``)
-        has the SET; its reply is read and skipped by the exchange's next use of that link. The
-        lock's release goes through the same exchange, which carries it to each master after
-        the SET (the transport's order within an exchange): a release never reaches a master
-        before the acquire it undoes, so the key cannot outlive it there. (An extension may go
-        on any exchange: one that overtakes the SET is refused on that master, which costs its
-        vote and nothing else.) A slow master then costs a granted attempt nothing. A refused
-        attempt waits for every reply (its retraction rides on the same exchange, and its
-        refusals say who holds the key).
         """
         # rounds.attempt's two steps, run here without its generator (the hot path of every
         # lock). Its clock starts before the round takes or makes any link.
         t_start = now()
         if acquires is None:
             acquires = rounds.acquiring(self, key, token, ttl, commands)
-        rnd = self._round()
-        try:
-            if keep is None:
-                outcomes = rnd.call(acquires, self.request_timeout)
-            else:
-                outcomes = rnd.call(acquires, self.request_timeout, enough=self.quorum, counting=GRANTED)
+        with self._round() as rnd:
+            outcomes = rnd.call(acquires, self.request_timeout)
             result, follow = rounds.counted(
                 self, outcomes, t_start, key, token, ttl, commands, expiry, seen, retraction, undo, tidy
             )
             if follow is not None:
                 rnd.send(follow, self.request_timeout)
-        except BaseException:
-            rnd.close()
-            raise
-        if keep is not None and result[0] > 0 and NOT_AWAITED in outcomes:
-            keep.append(rnd)
-        else:
-            rnd.close()
         return result
 
     def try_extend(
-        self,
-        key: str,
-        token: str,
-        ttl: float,
-        commands: Commands = PLAIN,
-        *,
-        exchange: Exchange | None = None,
+        self, key: str, token: str, ttl: float, commands: Commands = PLAIN
     ) -> tuple[float, list[Vote], float]:
-        """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed).
-        ``exchange``: one the caller keeps open (see try_acquire's ``keep``), else a new one."""
+        """Reset the TTL on every master that still holds ``token``; (validity, votes, elapsed)."""
         steps = rounds.extend(self, key, token, ttl, commands)
         first = next(steps)  # before the round's connects, as in try_acquire
-        if exchange is not None:
-            return drive(steps, exchange, first)
         with self._round() as rnd:
             return drive(steps, rnd, first)
 
@@ -310,7 +273,6 @@ class Redlock(Settings):
                 holding.enter_context(lock._mutex())
                 token = lock._extendable()
                 if token is not None:
-                    lock._settle_exchange()  # its links then serve this round, no new ones
                     batch.append((lock, token))
             if batch:
                 commands = [
@@ -338,15 +300,12 @@ class Redlock(Settings):
         commands: Commands = PLAIN,
         command: Command | None = None,
         lock: Lock | None = None,
-        exchange: Exchange | None = None,
     ) -> bool:
         """Compare-and-delete ``key`` for ``token`` on every master, and wait for the replies
         (within ``request_timeout``); True when a quorum answered, so that the lock is no longer
         ours on a quorum. ``command``, if given, is sent instead of ``commands``' release (a fair
         lock's). When no quorum answered, ``lock`` (the Lock released, if any) is given every
         master's vote in its ``release_votes``, so that whoever warns can name the masters.
-        ``exchange``: the one the lock's attempt kept (see try_acquire's ``keep``), used and
-        closed.
 
         INVARIANT (release-then-acquire): when this returns True, an acquire that any client
         starts afterwards finds no key of ``token`` on a quorum, so it is not refused by this lock.
@@ -356,7 +315,7 @@ class Redlock(Settings):
         """
         if command is None:
             command = commands.release.pack(key, token)
-        with self._round() if exchange is None else exchange as rnd:
+        with self._round() as rnd:
             votes = drive(rounds.release(self, command), rnd)
         if votes is None:
             return True
@@ -371,15 +330,13 @@ class Redlock(Settings):
         *,
         commands: Commands = PLAIN,
         command: Command | None = None,
-        exchange: Exchange | None = None,
     ) -> None:
         """:meth:`release_key` without waiting for the replies: each master applies it as it
         arrives, and the connection's next use reads the acknowledgement. For a retraction and
-        for :meth:`Lock.release_without_waiting`, never for a release someone may observe.
-        ``exchange``: as :meth:`release_key`'s."""
+        for :meth:`Lock.release_without_waiting`, never for a release someone may observe."""
         if command is None:
             command = commands.release.pack(key, token)
-        with self._round() if exchange is None else exchange as rnd:
+        with self._round() as rnd:
             drive(rounds.send_release(self, command), rnd)
 
     def write_everywhere(self, key: str, value: str, ttl: float) -> int:

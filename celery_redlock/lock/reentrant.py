@@ -51,8 +51,6 @@ class _Inner(Lock):
 
     _commands = REENTRANT
     _waiting_commands = REENTRANT  # R_ACQUIRE answers a held key with its PTTL already
-    # Other owners enter and leave through scripts of their own: every attempt waits for all.
-    _keeps_exchange = False
 
 
 @dataclass

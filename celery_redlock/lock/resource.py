@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from .redlock import Redlock
     from .rooms import Waiter
     from .transport.commands import Command
-    from .transport.interface import Exchange
 
 logger = logging.getLogger("celery_redlock.redlock")
 # Defined in state.py (shared with the asyncio lock); importable from here as they always were.
@@ -104,10 +103,6 @@ class Lock(LockState):
     _commands: Commands = PLAIN
     _waiting_commands: Commands = PLAIN_WAITING
     fenced = False  # whether grants carry a fence (see fencing.py)
-    # Whether an attempt may stop waiting once a quorum granted (see Redlock.try_acquire): a
-    # kind whose every later command goes through _take_exchange. The kinds that read every
-    # master's outcome or send their own retractions wait for all (they define _attempt).
-    _keeps_exchange = True
 
     def __init__(
         self,
@@ -123,12 +118,6 @@ class Lock(LockState):
         self.redlock: Redlock = redlock
         self._op = threading.Lock()
         self._op_pid = pid()  # the process _op was made in
-        # INVARIANT: while the last attempt's exchange is kept here (it granted without waiting
-        # for every master: see Redlock.try_acquire), this lock's release (or retraction) goes
-        # through it, so it reaches each master after the SET not waited for. Set and taken
-        # under the mutex; _exchange_pid: the process it was kept in.
-        self._exchange: Exchange | None = None
-        self._exchange_pid = 0
 
     def __repr__(self) -> str:
         state = f"owned, {self.validity:.3f}s left" if self.owned() else "not owned"
@@ -146,24 +135,6 @@ class Lock(LockState):
                     self._op = threading.Lock()
                     self._op_pid = pid()
         return self._op
-
-    def _settle_exchange(self) -> None:
-        """Give the kept exchange back once every master has answered the SET it carried (its
-        links then serve any round; anything sent later comes after the SET); holding the
-        mutex. Asked at no cost to wait: a lock does not keep links it no longer needs."""
-        if self._exchange is not None and self._exchange_pid == pid() and self._exchange.settled():
-            exchange, self._exchange = self._exchange, None
-            exchange.close()
-
-    def _take_exchange(self) -> Exchange | None:
-        """The exchange the last attempt kept, its links checked again, now the caller's to use
-        and close (None: any exchange will do); holding the mutex. A forked child's copy of it
-        is dropped unused: its links are the parent's."""
-        exchange, self._exchange = self._exchange, None
-        if exchange is None or self._exchange_pid != pid():
-            return None
-        exchange.reopen()
-        return exchange
 
     def locked(self) -> bool:
         """Whether a quorum of masters holds this resource, by any token."""
@@ -274,11 +245,7 @@ class Lock(LockState):
                 # Granted, but run out before it was looked at: a failed attempt, and so
                 # retracted like one (nobody has seen it held: no reply is waited for).
                 redlock.send_release(
-                    self.key,
-                    token,
-                    commands=self._commands,
-                    command=self._retraction(token, entry),
-                    exchange=self._take_exchange(),
+                    self.key, token, commands=self._commands, command=self._retraction(token, entry)
                 )
         self._refused(votes)
         self._failed(votes, attempts, elapsed, validity)
@@ -293,22 +260,11 @@ class Lock(LockState):
         self, token: str, waiting: bool, expiry: list[float], entry: Entry | None
     ) -> tuple[float, list[Vote], float]:
         """One attempt with ``token``: (validity, votes, elapsed), as ``Redlock.try_acquire``.
-        A waiting attempt's refusals carry the holder's PTTL, gathered in ``expiry``. Holding
-        the mutex; a granted attempt that stopped at a quorum leaves its exchange here."""
-        left = self._take_exchange()
-        if left is not None:  # an earlier token's, abandoned (the lock ran out unreleased)
-            left.close()
-        keep: list[Exchange] | None = [] if self._keeps_exchange else None
+        A waiting attempt's refusals carry the holder's PTTL, gathered in ``expiry``."""
         if not waiting:
-            result = self.redlock.try_acquire(self.key, token, self.ttl, self._commands, keep=keep)
-        else:
-            expiry.clear()
-            result = self.redlock.try_acquire(
-                self.key, token, self.ttl, self._waiting_commands, expiry, keep=keep
-            )
-        if keep:
-            self._exchange, self._exchange_pid = keep[0], pid()
-        return result
+            return self.redlock.try_acquire(self.key, token, self.ttl, self._commands)
+        expiry.clear()
+        return self.redlock.try_acquire(self.key, token, self.ttl, self._waiting_commands, expiry)
 
     def _retraction(self, token: str, entry: Entry | None) -> Command | None:
         """What deletes a granted attempt's ``token`` (None: the kind's own release)."""
@@ -372,21 +328,8 @@ class Lock(LockState):
             token = self._extendable()
             if token is None:
                 return False
-            # Through the exchange the attempt kept, if any: no new links for a lock held alone,
-            # and kept on while a master still owes the SET's reply (see _exchange).
-            exchange = self._take_exchange()
             started = now()
-            try:
-                validity, votes, _ = redlock.try_extend(
-                    self.key, token, ttl, self._commands, exchange=exchange
-                )
-            except BaseException:
-                if exchange is not None:
-                    exchange.close()
-                raise
-            if exchange is not None:
-                self._exchange, self._exchange_pid = exchange, pid()
-                self._settle_exchange()
+            validity, votes, _ = redlock.try_extend(self.key, token, ttl, self._commands)
             if not self._settle_extension(token, started, ttl, validity, votes):
                 return False
         self.extended(ttl)
@@ -437,26 +380,18 @@ class Lock(LockState):
                 # parent's, and nothing of it is sent from here. The copy forgets the token, so
                 # it can be acquired anew as the child's own.
                 self._token = None
-                self._take_exchange()
                 return True
-            exchange = self._take_exchange()
             token, self._token = self._token, None
             self._valid_until = 0.0
             self._lost_reason = ""
             self.release_votes = ()  # this release's, if no quorum answers it (see release_key)
             command = self._release_command(token) if token is not None else None
         if token is None:
-            if exchange is not None:
-                exchange.close()
             return True
         if not wait:
-            self.redlock.send_release(
-                self.key, token, commands=self._commands, command=command, exchange=exchange
-            )
+            self.redlock.send_release(self.key, token, commands=self._commands, command=command)
             return True
-        return self.redlock.release_key(
-            self.key, token, commands=self._commands, command=command, lock=self, exchange=exchange
-        )
+        return self.redlock.release_key(self.key, token, commands=self._commands, command=command, lock=self)
 
     def __enter__(self) -> Lock:
         if not self.acquire(self._blocking, self._timeout):

@@ -26,7 +26,7 @@ from .clock import now
 from .commands import PLAIN, Commands, milliseconds
 from .tally import Tally, is_answer, is_ok, is_one, to_late, to_not_granted
 from .tally import retraction as retraction_of
-from .transport.commands import DELETED, GRANTED, HELD, NOT_AWAITED, Command, Outcome
+from .transport.commands import DELETED, GRANTED, HELD, Command, Outcome
 from .transport.interface import Exchange
 
 T = TypeVar("T")
@@ -180,9 +180,7 @@ def counted(
         seen.extend(outcomes)
     won = granted >= redlock.quorum and validity > 0
     if won:
-        if granted + outcomes.count(NOT_AWAITED) == len(votes):  # every master granted, or has our SET
-            # Nothing late: a master not waited for (pending) has our SET on the exchange that
-            # the lock keeps for its next command (see Redlock.try_acquire).
+        if granted == len(votes):
             return (validity, votes, elapsed), None
         # A master that answered late may still set the key; retract it on the same link (not
         # waited for) so the key cannot outlive our release. A kind with a ``tidy`` sends it to
@@ -203,13 +201,11 @@ def counted(
 
 def _grants(redlock: Rules, outcomes: list[Outcome]) -> tuple[list[Vote], int]:
     """An acquire round's votes, and how many granted."""
-    # The usual rounds, compared by identity at C speed.
-    granted = outcomes.count(GRANTED)
-    if granted == len(outcomes):
-        return list(redlock.tally.granted), granted
-    if granted and granted + outcomes.count(NOT_AWAITED) == len(outcomes):  # a quorum granted
-        return redlock.tally.granted_or_pending(outcomes), granted
-    if outcomes[0] is HELD and outcomes.count(HELD) == len(outcomes):
+    # The usual rounds, compared by identity: the first outcome tells which to count.
+    first = outcomes[0]
+    if first is GRANTED and outcomes.count(GRANTED) == len(outcomes):
+        return list(redlock.tally.granted), len(outcomes)
+    if first is HELD and outcomes.count(HELD) == len(outcomes):
         return list(redlock.tally.refused), 0
     return redlock.tally.votes(outcomes, is_ok)
 

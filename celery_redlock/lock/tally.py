@@ -4,10 +4,9 @@ Every lock operation sends one command per master and gets one outcome each (see
 :mod:`.transport.interface`). A master that answered votes ``yes`` when its reply is a grant by
 the operation's own predicate (``b"OK"`` for SET NX, 1 for a compare-and-pexpire, a counter > 0
 for a fenced acquire), ``held`` when it answered anything else (the key is someone else's, or
-gone); a master that did not answer votes its error or timeout, and one whose answer nobody
-waited for (an attempt that a quorum had granted already) votes ``pending``. The operation
-succeeds on a quorum of ``yes`` (N // 2 + 1), and the rest of each kind's decision (validity,
-retraction) reads the votes.
+gone); a master that did not answer votes its error or timeout. The operation succeeds on a
+quorum of ``yes`` (N // 2 + 1), and the rest of each kind's decision (validity, retraction)
+reads the votes.
 
 The retraction rule is here too, for every kind: a failed attempt's release goes to every
 master that may hold our token, which is every master but those that refused it (``held``):
@@ -20,7 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import Vote
-from .transport.commands import GRANTED, NOT_AWAITED, Outcome
+from .transport.commands import Outcome
 
 C = TypeVar("C")
 
@@ -49,19 +48,13 @@ class Tally:
     """The votes of one Redlock's masters, with the two answers a healthy master gives shared
     (votes are immutable: the usual rounds build none)."""
 
-    __slots__ = ("granted", "names", "pending", "quorum", "refused")
+    __slots__ = ("granted", "names", "quorum", "refused")
 
     def __init__(self, names: Sequence[str]) -> None:
         self.names = list(names)
         self.quorum = len(self.names) // 2 + 1
         self.granted = [Vote(name, "yes") for name in self.names]
         self.refused = [Vote(name, "held") for name in self.names]
-        self.pending = [Vote(name, "pending", NOT_AWAITED.detail) for name in self.names]
-
-    def granted_or_pending(self, outcomes: Sequence[Outcome]) -> list[Vote]:
-        """The votes of an attempt that stopped waiting once a quorum granted: each master
-        granted (``GRANTED``) or was not waited for (``NOT_AWAITED``)."""
-        return [self.granted[i] if o is GRANTED else self.pending[i] for i, o in enumerate(outcomes)]
 
     def vote(self, i: int, outcome: Outcome, granted: Callable[[Any], bool]) -> Vote:
         """Master i's vote on ``outcome``."""

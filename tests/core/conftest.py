@@ -35,7 +35,6 @@ CONTRACT_MODULES = {
     "test_fair",
     "test_failures",
     "test_noscript",
-    "test_quorum_stop",
 }
 
 
@@ -106,13 +105,6 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def rl(masters: ServerSet, transport: str) -> Iterator[Redlock]:
     with Redlock(masters.urls, retry_count=0, transport=transport) as instance:
         yield instance
-
-
-def every_vote(lock: Any) -> list[str]:
-    """Every master's answer for the held ``lock``, each one waited for (an extension): an
-    acquire stops waiting once a quorum granted, and the others vote ``pending``."""
-    lock.extend()
-    return [vote.kind for vote in lock.last_votes]
 
 
 def keys_on(masters: ServerSet, pattern: str = "redlock:*") -> dict[str, list[bytes]]:

@@ -27,7 +27,7 @@ from celery_redlock import ConfigError, Redlock
 from celery_redlock.lock import masters as master_module
 from celery_redlock.testing import Proxy, ProxySet, RedisServer, ServerSet
 
-from .conftest import every_vote, keys_on, take, wait_for
+from .conftest import keys_on, take, wait_for
 
 # Loopback round trips are well under a millisecond; this is what a loaded 2-core machine may add
 # to one round (thread wake-ups, the proxy thread), not a tolerance for a second timeout.
@@ -147,7 +147,7 @@ def test_idle_closed_links_are_replaced_before_they_vote(idle_timeout: ServerSet
         wait_until_idle_closed(idle_timeout)
         lock = rl.lock("idle-vote", ttl=10)
         assert lock.acquire(blocking=False), lock.last_error
-        assert every_vote(lock) == ["yes"] * 5, lock.last_votes
+        assert kinds(lock.last_votes) == ["yes"] * 5
         lock.release()
 
 
@@ -190,7 +190,7 @@ def test_a_release_after_client_kill_deletes_the_keys(masters: ServerSet, how: s
         release(lock, how, masters)
         again = rl.lock("killed-links", ttl=30)
         assert again.acquire(blocking=False), again.last_error
-        assert every_vote(again) == ["yes"] * 5, again.last_votes
+        assert kinds(again.last_votes) == ["yes"] * 5
         again.release()
 
 
@@ -208,7 +208,7 @@ def test_a_release_not_waited_for_rides_on_the_links_that_replace_killed_ones(ma
         first.release_without_waiting()
         second = rl.lock("carried-second", ttl=30)
         assert second.acquire(blocking=False), second.last_error
-        assert every_vote(second) == ["yes"] * 5, second.last_votes
+        assert kinds(second.last_votes) == ["yes"] * 5
         assert none_left(masters, "redlock:carried-first"), keys_on(masters)
         second.release()
 
@@ -288,11 +288,7 @@ def test_a_dead_master_costs_a_round_nothing_and_rejoins(masters: ServerSet) -> 
         for block in range(10):
             for name in locks if block % 2 == 0 else reversed(list(locks)):
                 run(name, 20)
-        stopped = kinds(locks["one stopped"].last_votes)
-        # The down master's vote is an error at once; of the others, those not waited for once a
-        # quorum granted are pending.
-        assert stopped[4] == "error" and set(stopped[:4]) <= {"yes", "pending"}, stopped
-        assert stopped.count("yes") >= 3, stopped
+        assert kinds(locks["one stopped"].last_votes) == ["yes", "yes", "yes", "yes", "error"]
         # A refused connect attempted on every round costs several times a whole healthy round;
         # a master known to be down costs a few attribute reads.
         assert spent["one stopped"] < 2 * spent["all up"] + 0.05, spent
@@ -305,7 +301,7 @@ def test_a_dead_master_costs_a_round_nothing_and_rejoins(masters: ServerSet) -> 
         assert wait_for(lambda: hurt.masters[4].unavailable() == "", 1.0)
         lock = locks["one stopped"]
         assert lock.acquire(blocking=False), lock.last_error
-        assert every_vote(lock) == ["yes"] * 5, lock.last_votes
+        assert kinds(lock.last_votes) == ["yes"] * 5
         lock.release()
 
 

@@ -20,7 +20,7 @@ from celery_redlock import Lock, Redlock
 from celery_redlock.lock.heartbeat import COMPACT_SLACK, Heartbeat
 from celery_redlock.testing import ServerSet
 
-from .conftest import every_vote, keys_on, take, wait_for
+from .conftest import keys_on, take, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,10 +168,7 @@ SLACK = 0.25
 
 
 @pytest.mark.parametrize("paused", [(0,), (0, 1)], ids=["first-paused", "first-two-paused"])
-def test_silent_masters_cost_a_granted_attempt_nothing(masters: ServerSet, paused: tuple[int, ...]) -> None:
-    """A minority of masters paused: the attempt is granted by the others and does not wait for
-    the silent ones (pending). Their SETs land when they resume, after which the lock is held
-    there too, and the release deletes it everywhere."""
+def test_silent_masters_cost_one_timeout_together(masters: ServerSet, paused: tuple[int, ...]) -> None:
     rl = Redlock(masters.urls, request_timeout=REQUEST_TIMEOUT, retry_count=0)
     # Every link made while all masters answer (the usual steady state), nothing owed on them.
     assert rl.read_everywhere("warm-up") == [None] * len(masters)
@@ -184,16 +181,17 @@ def test_silent_masters_cost_a_granted_attempt_nothing(masters: ServerSet, pause
         elapsed = time.monotonic() - started
         kinds = [vote.kind for vote in lock.last_votes]
         assert acquired, kinds
-        # Not waited for once a quorum granted (what "acquired" promises): well within one
-        # request_timeout, which waiting for a silent master would cost.
-        assert kinds[: len(paused)] == ["pending"] * len(paused), kinds
+        # The silent ones time out and the rest are still read against the same deadline: a
+        # quorum of them granted (what "acquired" promises; one a loaded host made late may not).
+        assert kinds[: len(paused)] == ["timeout"] * len(paused), kinds
         assert kinds.count("yes") >= rl.quorum and "held" not in kinds and "error" not in kinds, kinds
-        assert elapsed < REQUEST_TIMEOUT / 2, f"{elapsed:.3f} s with {len(paused)} silent"
+        assert elapsed < REQUEST_TIMEOUT + SLACK, f"{elapsed:.3f} s with {len(paused)} silent"
     finally:
         for i in paused:
             masters[i].resume()
     try:
-        # The SETs not waited for land after the resume: the lock is then ours there too.
+        # The late SETs land after the resume; the retraction queued behind each removes it,
+        # while the lock is still held on the masters that granted it.
         silent = {masters[i].address for i in paused}
 
         def on_silent() -> list[bytes]:
@@ -204,8 +202,7 @@ def test_silent_masters_cost_a_granted_attempt_nothing(masters: ServerSet, pause
                 for key in keys
             ]
 
-        assert wait_for(lambda: len(on_silent()) == len(paused), 3.0), on_silent()
-        assert every_vote(lock) == ["yes"] * len(masters), lock.last_votes
+        assert wait_for(lambda: not on_silent(), 3.0), on_silent()
         assert lock.owned()
         lock.release()
         assert wait_for(lambda: not any(keys_on(masters, lock.key).values()), 3.0), keys_on(masters, lock.key)

@@ -102,8 +102,8 @@ class StallsAfterTheRound(Redlock):
 
     stall = 0.5
 
-    def try_extend(self, key: str, token: str, ttl: float, commands: Commands = PLAIN, **kw: Any) -> Any:
-        result = super().try_extend(key, token, ttl, commands, **kw)
+    def try_extend(self, key: str, token: str, ttl: float, commands: Commands = PLAIN) -> Any:
+        result = super().try_extend(key, token, ttl, commands)
         time.sleep(self.stall)
         return result
 
@@ -519,8 +519,7 @@ def test_a_redlock_dropped_with_a_master_down_leaves_its_threads_behind(masters:
         rl = Redlock(proxies.urls, retry_count=0, request_timeout=1.0)
         lock = rl.lock("dropped-down", ttl=30)
         assert take(lock), lock.last_error
-        kinds = [v.kind for v in lock.last_votes]
-        assert set(kinds[:4]) <= {"yes", "pending"} and kinds.count("yes") >= 3, kinds
+        assert [v.kind for v in lock.last_votes][:4] == ["yes"] * 4
         assert lock.release() is True  # four of five answered
         gone = weakref.ref(rl)
         del rl, lock

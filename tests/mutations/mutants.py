@@ -1039,53 +1039,6 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/holder.py", '{b"string": 4, b"hash": 5}', '{b"string": 4}'),),
     ),
     Mutant(
-        "round_cut_short_parks_its_links",
-        "a round an exception left mid-wait parks its links: the next round on them reads an old "
-        "+OK behind an owed reply as its own grant",
-        ("tests/core/test_link_sets.py::test_a_round_left_by_an_exception_never_counts_its_stale_replies",),
-        (Edit("celery_redlock/lock/transport/round.py", "        if self._busy:\n", "        if False:\n"),),
-    ),
-    Mutant(
-        "quorum_stop_exchange_not_kept",
-        "an attempt that stopped at a quorum of grants parks its exchange: the release may go on "
-        "other links, overtake the SET not waited for, and leave the released lock's key behind",
-        ("tests/core/test_quorum_stop.py::test_a_release_is_never_overtaken_by_the_set_it_undoes",),
-        (
-            Edit(
-                "celery_redlock/lock/redlock.py",
-                "        if keep is not None and result[0] > 0 and NOT_AWAITED in outcomes:\n",
-                "        if False:\n",
-            ),
-        ),
-    ),
-    Mutant(
-        "quorum_stop_release_not_through_the_kept_exchange",
-        "a release hands the attempt's kept exchange back and goes on any links: behind a lane "
-        "still waiting for the SET's reply, it overtakes the SET",
-        ("tests/core/test_quorum_stop.py::test_a_release_is_never_overtaken_by_the_set_it_undoes",),
-        (
-            Edit(
-                "celery_redlock/lock/resource.py",
-                "            exchange = self._take_exchange()\n            token, self._token",
-                "            exchange = self._take_exchange()\n"
-                "            exchange = exchange and exchange.close()\n"
-                "            token, self._token",
-            ),
-        ),
-    ),
-    Mutant(
-        "quorum_stop_waits_for_every_master",
-        "an attempt waits for every master's reply, a paused one's included",
-        ("tests/core/test_quorum_stop.py::test_a_paused_master_costs_a_granted_attempt_nothing",),
-        (
-            Edit(
-                "celery_redlock/lock/redlock.py",
-                "enough=self.quorum, counting=GRANTED",
-                "enough=len(acquires), counting=GRANTED",
-            ),
-        ),
-    ),
-    Mutant(
         "async_child_not_told_of_the_fork",
         "a forked child calling its parent's AsyncRedlock is told only of another event loop",
         ("tests/asyncio/test_async_fork.py",),

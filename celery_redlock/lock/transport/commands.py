@@ -22,7 +22,7 @@ class Outcome:
     ``COMMON_OK``), so a round counts its grants with ``list.count`` at C speed.
     """
 
-    kind: Literal["ok", "error", "timeout", "pending"]
+    kind: Literal["ok", "error", "timeout"]
     value: Any = None
     detail: str = ""
 
@@ -34,10 +34,7 @@ NOSCRIPT = "NOSCRIPT"
 REPLY_ERROR = "ResponseError: "
 LATE = Outcome("timeout", detail="no reply within request_timeout")
 QUEUED_BEHIND_LATE = Outcome("timeout", detail="queued behind a reply that is late")
-# A master whose reply was still to come when enough others had answered (``enough``): it has
-# the command, and its link reads and skips the reply at its next use. Not a timeout: nobody
-# waited for it to answer.
-NOT_AWAITED = Outcome("pending", detail="not waited for once enough masters had answered")
+NOT_AWAITED = Outcome("timeout", detail="not waited for once a quorum had answered")
 # Lock commands answer with one of a handful of values; their outcomes are shared, not rebuilt
 # once per master per round (Outcome is immutable).
 COMMON_OK = {value: Outcome("ok", value) for value in (b"OK", 1, 0, None)}

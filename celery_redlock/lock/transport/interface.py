@@ -22,10 +22,8 @@ The contract every exchange keeps, whatever carries it:
 - **Not lost:** a ``send`` (nobody waits) and a ``call(keep=True)`` (a release) reach every master
   in the end, even when no connection could be made in time: what could not be written is kept
   and written on that master's next connection.
-- ``enough=k``: return as soon as ``k`` masters answered ``ok`` (with ``counting``, answered
-  exactly that shared outcome: an acquire counts its grants); the other replies are still read
-  (and skipped) before that connection carries anything else, and their outcomes are ``pending``
-  (``timeout`` if the deadline came first).
+- ``enough=k``: return as soon as ``k`` masters answered ``ok``; the other replies are still read
+  (and skipped) before that connection carries anything else.
 - **Scripts by digest** (see :mod:`..scripts`): a script command (``EVALSHA``, built by
   :func:`.commands.script_template`) that a master answers NOSCRIPT (it ran nothing) is sent to
   it again as ``EVAL`` on the same connection, by the same deadline; the outcome is the script's
@@ -48,13 +46,7 @@ class Exchange(Protocol):
     """One lock operation's access to the masters (a context manager: ``close`` ends it)."""
 
     def call(
-        self,
-        commands: Sequence[Command | None],
-        timeout: float,
-        *,
-        keep: bool = False,
-        enough: int = 0,
-        counting: Outcome | None = None,
+        self, commands: Sequence[Command | None], timeout: float, *, keep: bool = False, enough: int = 0
     ) -> list[Outcome]:
         """Send ``commands[i]`` to master i and wait for the replies by one deadline."""
         ...
@@ -65,19 +57,6 @@ class Exchange(Protocol):
 
     def send(self, commands: Sequence[Command | None], timeout: float) -> None:
         """Send ``commands[i]`` to master i without waiting for the replies."""
-        ...
-
-    def reopen(self) -> None:
-        """Make ready for another call after a while (a lock keeps its attempt's exchange across
-        its hold): a connection its master closed meanwhile is replaced, as a new exchange's
-        would be. A closed connection runs nothing more, so what goes on its replacement cannot
-        overtake what was sent on it."""
-        ...
-
-    def settled(self) -> bool:
-        """Whether every reply not waited for has arrived (read now, without waiting): what
-        this exchange sent has then been executed by every master, and anything sent later,
-        on any exchange, comes after it."""
         ...
 
     def close(self) -> None: ...

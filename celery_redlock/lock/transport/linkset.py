@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ..._fork import pid
 from .. import waiting
-from .link import IO_ERRORS, WATCH, Generation, Link, pop_usable
+from .link import WATCH, Generation, Link, pop_usable
 from .master import Master
 
 
@@ -26,34 +26,6 @@ def checked(masters: Sequence[Master], links: list[Link | None]) -> list[Link | 
     if events:
         settle(masters, links, fds, events)
     return links
-
-
-def park(
-    sets: list[LinkSet], masters: Sequence[Master], links: list[Link | None], linkset: LinkSet | None
-) -> bool:
-    """Park a clean round's links as one set on ``sets`` (``linkset``, if the round took one
-    and kept every link of it: see Round.__init__); False if they must go back one by one."""
-    if linkset is None:
-        if None in links:
-            return False
-        linkset = LinkSet.park(masters, links)  # type: ignore[arg-type]
-        if linkset is None:
-            return False
-    sets.append(linkset)
-    return True
-
-
-def drained(links: Sequence[Link | None]) -> bool:
-    """Whether every reply ``links`` owe has arrived and been read, without waiting. A link
-    that fails here is left for its next round to find (and drop)."""
-    for link in links:
-        if link is not None and link.owed:
-            try:
-                if not link.drain():
-                    return False
-            except IO_ERRORS:
-                return False
-    return True
 
 
 def sleep_on(pending: Sequence[Link | None], shared: LinkSet | None, remaining: float) -> LinkSet | None:

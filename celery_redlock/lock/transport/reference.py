@@ -421,17 +421,10 @@ class ReferenceExchange:
         self._shared = [False] * len(sites)
 
     def call(
-        self,
-        commands: Sequence[Command | None],
-        timeout: float,
-        *,
-        keep: bool = False,
-        enough: int = 0,
-        counting: Outcome | None = None,
+        self, commands: Sequence[Command | None], timeout: float, *, keep: bool = False, enough: int = 0
     ) -> list[Outcome]:
         batches = [() if command is None else (command,) for command in commands]
-        got_all = self.call_many(batches, timeout, keep, enough, counting)
-        return [got[0] if got else NOT_SENT for got in got_all]
+        return [got[0] if got else NOT_SENT for got in self.call_many(batches, timeout, keep, enough)]
 
     def send(self, commands: Sequence[Command | None], timeout: float) -> None:
         # Written (by the deadline) before it returns, as by the fast transport: a release not
@@ -441,12 +434,7 @@ class ReferenceExchange:
         _written(sent, deadline)
 
     def call_many(
-        self,
-        batches: Sequence[Sequence[Command]],
-        timeout: float,
-        keep: bool = False,
-        enough: int = 0,
-        counting: Outcome | None = None,
+        self, batches: Sequence[Sequence[Command]], timeout: float, keep: bool = False, enough: int = 0
     ) -> list[list[Outcome]]:
         deadline = time.monotonic() + timeout
         if refusal := next((site.master.refusal for site in self._sites if site.master.refusal), ""):
@@ -460,14 +448,13 @@ class ReferenceExchange:
                     results[i] = [sent] * len(batch)
                 elif sent.future is not None:
                     jobs[sent.future] = i, sent
-        reached = False
         if not enough:  # every reply: each waited for in turn, by the one deadline
             for future in jobs:
                 with contextlib.suppress(FutureTimeout):
                     future.exception(max(0.0, deadline - time.monotonic()))
         else:
-            reached = _await_enough(jobs, results, enough, deadline, counting)
-        self._unanswered(jobs, results, keep, enough, reached)
+            _await_enough(jobs, results, enough, deadline)
+        self._unanswered(jobs, results, keep, enough)
         return results
 
     def _unanswered(
@@ -476,10 +463,8 @@ class ReferenceExchange:
         results: list[list[Outcome]],
         keep: bool,
         enough: int,
-        reached: bool,
     ) -> None:
-        """The outcomes of the jobs not taken by the deadline, or, when ``enough`` had answered
-        (``reached``), not waited for (pending)."""
+        """The outcomes of the jobs not taken by the deadline (or by ``enough``)."""
         for future, (i, job) in jobs.items():
             count = len(job.commands)
             if (not keep and future.cancel()) or not (future.running() or future.done()):
@@ -487,7 +472,7 @@ class ReferenceExchange:
             elif future.done():  # answered as the time ran out
                 results[i] = future.result()
             elif enough:  # read and skipped by the lane, as the fast transport's owed replies
-                results[i] = [NOT_AWAITED if reached else LATE] * count
+                results[i] = [NOT_AWAITED] * count
             else:
                 self._late[i] = future
                 got = list(job.replies)  # a batch's replies read in time count
@@ -511,14 +496,6 @@ class ReferenceExchange:
         site.count(lane, jobs=1)
         lane.jobs.put(job)
         return QUEUED_BEHIND_LATE if waited and behind else job
-
-    def reopen(self) -> None:
-        """``Exchange.reopen``: nothing to do; a lane checks its connection before each job."""
-
-    def settled(self) -> bool:
-        """``Exchange.settled``: no lane this exchange holds has a job queued or under way (a
-        lane's count drops after its job's replies are read, and nothing else writes to it)."""
-        return all(lane is None or lane.pending == 0 for lane in self._lanes)
 
     def close(self) -> None:
         lanes, self._lanes = self._lanes, [None] * len(self._sites)
@@ -573,21 +550,12 @@ def _await_enough(
     results: list[list[Outcome]],
     enough: int,
     deadline: float,
-    counting: Outcome | None,
-) -> bool:
-    """Return once ``enough`` masters answered ok (or answered ``counting``), every command
-    written (as the fast transport); the answered jobs leave ``jobs`` for ``results``. Whether
-    enough answered by the deadline."""
+) -> None:
+    """Return once ``enough`` masters answered ok, every command written (as the fast
+    transport); the answered jobs leave ``jobs`` for ``results``."""
     _written([job for _, job in jobs.values()], deadline)
-
-    def counted() -> int:
-        if counting is None:
-            return sum(r[0].kind == "ok" for r in results if r)
-        return sum(r[0] is counting for r in results if r)
-
-    while jobs and counted() < enough:
+    while jobs and sum(r[0].kind == "ok" for r in results if r) < enough:
         if (remaining := deadline - time.monotonic()) <= 0:
-            return False
+            break
         for future in wait(jobs, remaining, FIRST_COMPLETED)[0]:
             results[jobs.pop(future)[0]] = future.result()
-    return True

@@ -30,7 +30,7 @@ from .commands import (
 from .handshake import NOT_REDIS
 from .identity import identify
 from .link import IO_ERRORS, NOT_READY, RECV_SIZE, Link
-from .linkset import LinkSet, checked, drained, park, settle, sleep_on
+from .linkset import LinkSet, checked, settle, sleep_on
 from .master import STILL_TRYING, Master
 
 logger = logging.getLogger("celery_redlock.masters")
@@ -79,28 +79,18 @@ class Round:
         # poll object watches them, and the set is parked again as it is); a round that replaces
         # or drops a link lets go of the set first.
         self._linkset = linkset
-        self.links: list[Link | None] = (
-            [master.take_idle() for master in masters] if linkset is None else list(linkset.links)
-        )
-        self._check_links()
-
-    def _check_links(self) -> None:
-        """Replace each link its master closed (one ``poll(0)`` for them all), and find links
-        for the masters that have none."""
-        linkset = self._linkset
+        links: list[Link | None]
         if linkset is not None:
+            links = list(linkset.links)
             events = linkset.poller.poll(0)
-            if events and settle(self.masters, self.links, linkset.fds, events):
+            if events and settle(masters, links, linkset.fds, events):
                 self._linkset = None
         else:
-            self.links = checked(self.masters, self.links)
-        self.failures: list[str] = [""] * len(self.masters)
-        if self._linkset is None and None in self.links:  # a parked set has a link for every master
+            links = checked(masters, [master.take_idle() for master in masters])
+        self.links = links
+        self.failures: list[str] = [""] * len(masters)
+        if self._linkset is None and None in links:  # a parked set has a link for every master
             self._find_links()
-
-    def reopen(self) -> None:
-        """``Exchange.reopen``: the links checked again, as a new round's are."""
-        self._check_links()
 
     def _find_links(self) -> None:
         """Links for the masters whose idle stack had none (off the usual path): a fresh link if
@@ -245,7 +235,6 @@ class Round:
         *,
         keep: bool = False,
         enough: int = 0,
-        counting: Outcome | None = None,
     ) -> list[Outcome]:
         """Send ``commands[i]`` to master i (None: skip it) and read the replies by one deadline.
 
@@ -254,10 +243,9 @@ class Round:
         written to a master (no link yet, a failed write) is kept and written on its next link,
         as :meth:`send` does; for a release, which must reach every master in the end even when
         its caller stops waiting for the replies. ``enough``: return once that many masters
-        answered ``ok`` (a release that took effect on a quorum), or answered exactly the shared
-        outcome ``counting`` (an acquire that a quorum granted); the replies still to come are
+        answered ``ok`` (a release that took effect on a quorum); the replies still to come are
         owed, read and skipped by each link's next use, as a sent command's are, and their
-        outcomes are ``pending``. A slow master then costs such a call nothing.
+        outcomes say so. A slow master then costs such a call nothing.
         """
         self._deadline = deadline = time.monotonic() + timeout
         # The bound: all this call does ends by ``deadline``, connects included. Connects (and
@@ -279,7 +267,7 @@ class Round:
         # wake for each reply as it lands. A master that does not answer costs the remaining
         # time once; every link after it is read without waiting.
         if enough:
-            self._await_enough(waiting, commands, deadline, enough, outcomes, counting)
+            self._await_enough(waiting, commands, deadline, enough, outcomes)
         elif waiting:
             # The first master has had no time to answer yet: sleep on it before the first read.
             # The others' replies have usually arrived by then, and are read without waiting.
@@ -454,38 +442,31 @@ class Round:
         deadline: float,
         enough: int,
         outcomes: list[Outcome],
-        counting: Outcome | None,
     ) -> None:
         """Read the replies of the masters in ``answering`` as they arrive, whichever comes first,
-        until ``enough`` count (``ok``, or are ``counting``) or ``deadline``; what is still to
-        come is owed on time (not late: the master has the command and answers it in order),
-        ``pending`` if enough had answered, else ``timeout``."""
+        until ``enough`` are ``ok`` or ``deadline``; what is still to come is owed on time (not
+        late: the master has the command and answers it in order)."""
         pending = answering
-        ok = sum(1 for o in outcomes if o.kind == "ok") if counting is None else outcomes.count(counting)
+        ok = sum(1 for o in outcomes if o.kind == "ok")
         shared = self._linkset  # see sleep_on; None once a link of it was replaced (see __init__)
         while True:
-            pending, answered = self._read_arrived(pending, commands, outcomes, counting)
+            pending, answered = self._read_arrived(pending, commands, outcomes)
             ok += answered
             remaining = deadline - time.monotonic()
             if not pending or ok >= enough or remaining <= 0:
                 break
             shared = sleep_on([self.links[i] for i in pending], shared, remaining)
-        unread = NOT_AWAITED if ok >= enough else LATE
         for i in pending:
             link = self.links[i]
             assert link is not None
             link.owed += 1
-            outcomes[i] = unread
+            outcomes[i] = NOT_AWAITED
 
     def _read_arrived(
-        self,
-        pending: list[int],
-        commands: Sequence[Command | None],
-        outcomes: list[Outcome],
-        counting: Outcome | None,
+        self, pending: list[int], commands: Sequence[Command | None], outcomes: list[Outcome]
     ) -> tuple[list[int], int]:
         """Read what has arrived from the masters in ``pending`` into ``outcomes``: the masters
-        still to answer, and how many of the others answered ``ok`` (or ``counting``)."""
+        still to answer, and how many of the others answered ``ok``."""
         still = []
         ok = 0
         for i in pending:
@@ -494,7 +475,7 @@ class Round:
                 still.append(i)
             else:
                 outcomes[i] = outcome
-                ok += outcome.kind == "ok" if counting is None else outcome is counting
+                ok += outcome.kind == "ok"
         return still, ok
 
     def _read(self, i: int, command: Command | None) -> Outcome | None:
@@ -553,10 +534,6 @@ class Round:
             return self._drop(i, exc)
         return None
 
-    def settled(self) -> bool:
-        """``Exchange.settled``."""
-        return drained(self.links)
-
     def close(self) -> None:
         if self._pending is not None:  # connects no command waited for: for later rounds
             self._abandon(self._pending)
@@ -576,12 +553,7 @@ class Round:
                 if link is not None:
                     link.close()
             return
-        sets = self._sets
-        if (
-            sets is not None
-            and not (self._unclean or self._refusal)
-            and park(sets, self.masters, links, linkset)
-        ):
+        if self._park(links, linkset):
             return
         for master, link in zip(self.masters, links, strict=True):
             if link is None:
@@ -590,6 +562,21 @@ class Round:
                 master.give_back(link)
             else:
                 master._idle.append(link)  # give_back's usual case, inlined: one per master per round
+
+    def _park(self, links: list[Link | None], linkset: LinkSet | None) -> bool:
+        """Park the usual round's links as one set (``linkset``, if the round took one and kept
+        every link of it: see __init__); False if this round's links must go back one by one."""
+        sets = self._sets
+        if sets is None or self._unclean or self._refusal:
+            return False
+        if linkset is None:
+            if None in links:
+                return False
+            linkset = LinkSet.park(self.masters, links)  # type: ignore[arg-type]
+            if linkset is None:
+                return False
+        sets.append(linkset)
+        return True
 
     def __enter__(self) -> Round:
         return self
