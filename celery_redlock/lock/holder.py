@@ -30,7 +30,9 @@ HOLDER_SEPARATOR = "|"
 # order they are written after the per-run ones (task, since), before the last (publish).
 _SHARED = ("name", "host", "pid", "proc", "ttl", "heartbeat", "queued", "published")
 
-_INSPECT = script_template(scripts.INSPECT, 2, 0)  # key, queue key (see holder_read)
+# INSPECT's one template (keys: the lock key, its queue's key): this module's holder read and
+# the operators' view (lockview.py) both send it.
+INSPECT = script_template(scripts.INSPECT, 2, 0)
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,7 @@ def holder_read(key: str) -> Command:
     is refused (WRONGTYPE) and a contender would learn nothing of its holder."""
     # The queue's length is not wanted here: the lock key stands in for the queue's key (a lock
     # key is never a sorted set, so INSPECT counts 0 for it).
-    return _INSPECT.pack(key, key)
+    return INSPECT.pack(key, key)
 
 
 def holder_of(outcomes: Sequence[Outcome], quorum: int) -> str | None:

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..errors import ConfigError
-from . import scripts
-from .holder import HolderRecord, describe_holder, parse
+from .holder import INSPECT, HolderRecord, describe_holder, parse
 from .redlock import Redlock
 from .resource import HOLDER_SEPARATOR, QUEUE_SUFFIX, RESERVED_SUFFIXES, lock_key
-from .transport.commands import Command, Outcome, script_template
+from .transport.commands import Command, Outcome
 
 # Each SCAN asks a master for this many keys; a listing stops after MAX_SCAN_STEPS of them per
 # master (about a million keys looked at) or ``limit`` locks found, whichever comes first.
@@ -41,8 +40,6 @@ DEFAULT_TIMEOUT = 1.0
 SIBLING_SUFFIXES = RESERVED_SUFFIXES  # fair queues and fence counters: not locks
 SIBLING_SUFFIXES_BYTES = tuple(s.encode() for s in SIBLING_SUFFIXES)
 TOKEN_HEX = 40
-
-_INSPECT = script_template(scripts.INSPECT, 2, 0)  # key, queue key
 
 
 # -- what a lock key holds ----------------------------------------------------------------------
@@ -266,7 +263,7 @@ def _inspect(redlock: Redlock, keys: Sequence[bytes], timeout: float) -> list[Lo
     names = [m.name for m in redlock.masters]
     for start in range(0, len(keys), INSPECT_BATCH):
         chunk = keys[start : start + INSPECT_BATCH]
-        batch = [_INSPECT.pack(key, key + QUEUE_SUFFIX.encode()) for key in chunk]
+        batch = [INSPECT.pack(key, key + QUEUE_SUFFIX.encode()) for key in chunk]
         read_at = time.time()
         with redlock._round() as rnd:
             replies = rnd.call_many([batch] * len(names), timeout)

@@ -344,31 +344,27 @@ class Redlock(Settings):
 
         For records that sit beside a lock (e.g. who leads a beat cluster), never for the lock.
         """
-        command = ("SET", key, value, "PX", max(1, int(ttl * 1000)))
-        with self._round() as rnd:
-            outcomes = rnd.call([command] * len(self.masters), self.request_timeout)
+        outcomes = self._everywhere(("SET", key, value, "PX", max(1, int(ttl * 1000))))
         return sum(1 for o in outcomes if o.kind == "ok")
 
     def read_everywhere(self, key: str) -> list[bytes | None]:
         """GET a plain key from every master (None where absent, or where a master failed)."""
-        with self._round() as rnd:
-            outcomes = rnd.call([("GET", key)] * len(self.masters), self.request_timeout)
-        return [o.value if o.kind == "ok" else None for o in outcomes]
+        return [o.value if o.kind == "ok" else None for o in self._everywhere(("GET", key))]
 
     def holder(self, name: str) -> str | None:
         """The ``holder`` text of the lock a quorum of masters holds on resource ``name`` ("" if
         it was taken without one), or None when no quorum holds one token (free, expiring, or
         not answering). One round; asked by a contender, never on the way to a lock."""
-        read = holder_read(lock_key(self.key_prefix, name))
-        with self._round() as rnd:
-            outcomes = rnd.call([read] * len(self.masters), self.request_timeout)
-        return holder_of(outcomes, self.quorum)
+        return holder_of(self._everywhere(holder_read(lock_key(self.key_prefix, name))), self.quorum)
 
     def holders(self, key: str) -> int:
         """How many masters hold ``key`` at all (by any token)."""
+        return sum(1 for o in self._everywhere(("EXISTS", key)) if o.kind == "ok" and o.value == 1)
+
+    def _everywhere(self, command: Command) -> list[Outcome]:
+        """``command`` sent to every master in one round, each outcome by ``request_timeout``."""
         with self._round() as rnd:
-            outcomes = rnd.call([("EXISTS", key)] * len(self.masters), self.request_timeout)
-        return sum(1 for o in outcomes if o.kind == "ok" and o.value == 1)
+            return rnd.call([command] * len(self.masters), self.request_timeout)
 
 
 def _transport(name: str, masters: Sequence[Master]) -> Transport:
