@@ -1046,6 +1046,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (Edit("celery_redlock/lock/transport/round.py", "        if self._busy:\n", "        if False:\n"),),
     ),
     Mutant(
+        "async_connect_under_way_kept_in_a_child",
+        "a socket whose connect is under way at a fork is not let go of in the child: the "
+        "parent's connection stays open on the master after the parent is gone",
+        (
+            "tests/asyncio/test_async_fork.py::test_a_connect_under_way_at_the_fork_does_not_outlive_the_parent",
+        ),
+        (Edit("celery_redlock/lock/aio/handshake.py", "        let_go_in_a_child(sock)\n", ""),),
+    ),
+    Mutant(
         "async_child_not_told_of_the_fork",
         "a forked child calling its parent's AsyncRedlock is told only of another event loop",
         ("tests/asyncio/test_async_fork.py",),

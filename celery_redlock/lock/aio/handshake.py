@@ -11,6 +11,7 @@ connect and the TLS handshake are one step, bounded by the connect's deadline li
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ import redis
 from .. import wire
 from ..transport.commands import Outcome, script_loads
 from ..transport.handshake import Silent, handshake_commands
-from .link import Entry, Link, Sink
+from .link import Entry, Link, Sink, let_go_in_a_child
 from .site import LINK_LOST, Site
 
 
@@ -57,14 +58,12 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
         raise TimeoutError("no time left to connect within request_timeout")
     tls = site.tls
     if issubclass(master._connection_class, redis.UnixDomainSocketConnection):
-        opening = loop.create_unix_connection(lambda: link, str(options["path"]))
+        opening = _open(link, [(socket.AF_UNIX, socket.SOCK_STREAM, 0, "", str(options["path"]))])
     else:
         host, port = options.get("host", "localhost"), options.get("port", 6379)
-        if tls is None:
-            opening = loop.create_connection(lambda: link, host, port)
-        else:
-            # The host name is sent (SNI) and checked against the certificate, as redis-py does.
-            opening = loop.create_connection(lambda: link, host, port, ssl=tls, server_hostname=host)
+        infos = _numeric(host, port) or loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # The host name is sent (SNI) and checked against the certificate, as redis-py does.
+        opening = _open(link, infos, tls, host)
     try:
         await asyncio.wait_for(opening, remaining)
     except asyncio.TimeoutError:
@@ -76,6 +75,57 @@ async def open_link(site: Site, deadline: float, load_scripts: bool = True) -> L
         link.close()
         raise
     return link
+
+
+def _numeric(host: str, port: int) -> list[Any] | None:
+    """``host``'s one address when it is an IP address (getaddrinfo's tuple), as the loop's own
+    connect finds it without a resolver thread; None for a name."""
+    for family, address in ((socket.AF_INET, (host, port)), (socket.AF_INET6, (host, port, 0, 0))):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        return [(family, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", address)]
+    return None
+
+
+async def _open(link: Link, addresses: Any, tls: Any = None, host: str | None = None) -> None:
+    """Connect ``link`` to the first of ``addresses`` (getaddrinfo's tuples, or an awaitable of
+    them) that accepts, then make it the socket's protocol (over TLS if ``tls``).
+
+    The socket is made here, not by the loop, and registered for a forked child before its
+    connect begins: a fork while it is under way (for as long as request_timeout against a slow
+    master, or a TLS handshake) must let go of it too, or the child keeps the parent's
+    connection open after the parent is gone (see link.let_go_in_a_child)."""
+    loop = asyncio.get_running_loop()
+    if not isinstance(addresses, list):
+        addresses = await addresses
+    failure: OSError = OSError("no address to connect to")
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        let_go_in_a_child(sock)
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, address)
+        except OSError as exc:
+            sock.close()
+            failure = exc
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            if family == socket.AF_UNIX:
+                await loop.create_unix_connection(lambda: link, sock=sock)
+            else:
+                await loop.create_connection(
+                    lambda: link, sock=sock, ssl=tls, server_hostname=host if tls is not None else None
+                )
+        except BaseException:
+            sock.close()
+            raise
+        return
+    raise failure
 
 
 async def _greet(link: Link, conn: Any, site: Site, deadline: float, load_scripts: bool) -> str:

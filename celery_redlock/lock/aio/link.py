@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import weakref
 from collections.abc import Callable
 from typing import Any, cast
@@ -163,12 +164,19 @@ class Link(asyncio.Protocol):
 # subscriber has switched its transport to it), held weakly: a forked child lets go of its copies
 # of their sockets.
 _made: weakref.WeakSet[asyncio.Protocol] = weakref.WeakSet()
+# The socket of every connect this process began, from before its connect: a fork while the
+# connect is under way (the protocol has no transport yet) finds it here.
+_opened: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 
 
-def let_go_in_a_child(protocol: asyncio.Protocol) -> None:
-    """Register ``protocol`` (whose ``transport`` attribute is its connection's, once made): a
-    forked child lets go of its copy of that socket (see :func:`_let_go_inherited`)."""
-    _made.add(protocol)
+def let_go_in_a_child(connection: asyncio.Protocol | socket.socket) -> None:
+    """Register ``connection``, a socket or a protocol (whose ``transport`` attribute is its
+    connection's, once made): a forked child lets go of its copy of that socket (see
+    :func:`_let_go_inherited`)."""
+    if isinstance(connection, socket.socket):
+        _opened.add(connection)
+    else:
+        _made.add(connection)
 
 
 def _let_go_inherited() -> None:
@@ -179,11 +187,14 @@ def _let_go_inherited() -> None:
     sockets, for as long as the child lives: the parent's connections would stay open on the
     masters after the parent is gone (see ``_fork.let_go_of_inherited``).
     """
-    protocols = list(_made)
+    protocols, opened = list(_made), list(_opened)
     _made.clear()
+    _opened.clear()
     transports = [getattr(protocol, "transport", None) for protocol in protocols]
     sockets = [t.get_extra_info("socket") for t in transports if t is not None]
-    let_go_of_inherited(sock for sock in sockets if sock is not None)
+    # A socket met twice (its connect registered it, and then its transport) is let go of once
+    # and is then /dev/null's: the second time changes nothing.
+    let_go_of_inherited([*(sock for sock in sockets if sock is not None), *opened])
 
 
 on_fork_in_child(_let_go_inherited)
