@@ -86,6 +86,12 @@ DEPRECATED_SETTINGS = {
 }
 KNOWN_SETTINGS = frozenset(DEFAULTS).union(BEAT_SETTINGS, DEPRECATED_SETTINGS)
 
+# Celery's own settings read with ours, so that a run finds them in its RedlockSettings: one
+# ``app.conf`` look-up costs several microseconds, and a run would make it every time.
+CELERY_SETTINGS_READ = ("task_time_limit",)
+# Every key a change to which makes the settings be read again.
+WATCHED_SETTINGS = (*DEFAULTS, *CELERY_SETTINGS_READ)
+
 # The fields of RedlockSettings a Redlock is made of: a change in any of them needs a new one.
 REDLOCK_FIELDS = ("masters", "ttl", "request_timeout", "drift_factor", "key_prefix")
 
@@ -112,6 +118,9 @@ class RedlockSettings:
     fence_retention: float = DEFAULTS["redlock_fence_retention"]
     enqueue: str | None = None
     enqueue_ttl: float = DEFAULTS["redlock_enqueue_ttl"]
+    # Celery's ``task_time_limit``, as the app has it (Celery checks it, not us): the hard limit
+    # that caps a prefork child's heartbeat when neither the call nor the task sets one.
+    task_time_limit: Any = None
     # Unique to each read in this process, and left out of ==: what a cache of values derived
     # from the settings is keyed on. An id() is not enough, as a newer settings object can be
     # given the id of an older one that was freed.
@@ -187,6 +196,7 @@ def read_settings(conf: Mapping[str, Any]) -> RedlockSettings:
         ),
         enqueue=enqueue_mode("redlock_enqueue", conf.get("redlock_enqueue", None)),
         enqueue_ttl=number("redlock_enqueue_ttl", get("redlock_enqueue_ttl"), above=0, unit="seconds"),
+        task_time_limit=conf.get("task_time_limit", None),
     )
 
 
@@ -310,7 +320,9 @@ class _Entry:
         self.changes: Mapping[str, Any] = getattr(conf, "changes", conf)
         self.depth = len(getattr(conf, "maps", ()))
         to_keys = getattr(conf, "_to_keys", None)  # Celery's list of the keys tried for a name
-        keys = dict.fromkeys(DEFAULTS if to_keys is None else (k for name in DEFAULTS for k in to_keys(name)))
+        keys = dict.fromkeys(
+            WATCHED_SETTINGS if to_keys is None else (k for name in WATCHED_SETTINGS for k in to_keys(name))
+        )
         # The keys set now are compared by value; those not set need only stay absent, which
         # one isdisjoint() tells for all of them (a look-up per key costs twice as much).
         present = [key for key in keys if key in self.changes]
@@ -407,7 +419,9 @@ def _build(app: Any, conf: Any, old: _Entry | None) -> _Entry:
 
 def _log_change(app_name: Any, old: RedlockSettings, new: RedlockSettings, changed: list[str]) -> None:
     described = "; ".join(
-        f"redlock_{name} {getattr(old, name)!r} -> {getattr(new, name)!r}" for name in changed
+        f"{name if name in CELERY_SETTINGS_READ else 'redlock_' + name} "
+        f"{getattr(old, name)!r} -> {getattr(new, name)!r}"
+        for name in changed
     )
     if "masters" in changed:
         # Exclusion holds only among processes that use the same masters.

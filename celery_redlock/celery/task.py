@@ -342,7 +342,7 @@ class RedlockTaskMixin:
             lock = enqueue.run_lock(redlock, request, name, options.ttl, holder)
         started = time.monotonic()
         if lock.acquire(blocking=False):
-            self._redlock_hold(run, lock, task_id, options, started)
+            self._redlock_hold(run, lock, task_id, options, started, request, settings)
             return
         error = lock.last_error
         assert error is not None
@@ -359,8 +359,12 @@ class RedlockTaskMixin:
         task_id: str,
         options: LockOptions,
         started: float,
+        request: Any = None,
+        settings: RedlockSettings | None = None,
     ) -> None:
-        """Record the lock this run has just acquired, and keep it alive while the body runs."""
+        """Record the lock this run has just acquired, and keep it alive while the body runs.
+        ``request`` and ``settings``: the run's, when the caller has them at hand (each costs a
+        look-up otherwise)."""
         # A reentrant lock is kept by its holding's inner Lock, which any thread may extend or
         # release (the view answers only for the owner asking).
         lock = acquired.holding() if isinstance(acquired, ReentrantLock) else acquired
@@ -375,10 +379,14 @@ class RedlockTaskMixin:
         run.acquired(held)
         registry.register(held)
         if options.heartbeat:
+            if request is None:
+                request = self.request
+            if settings is None:
+                settings = app_settings_and_redlock(self.app)[0]
             process_heartbeat().keep(
                 lock,
                 interval=options.heartbeat_interval,
-                max_hold=self._redlock_max_hold(options),
+                max_hold=self._redlock_max_hold(options, request, settings),
                 on_lost=self._redlock_on_lost(task_id, held),
             )
         if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens
@@ -394,7 +402,9 @@ class RedlockTaskMixin:
             )
         logger.debug("task %s[%s] acquired %s", self.name, task_id, lock.name)
 
-    def _redlock_max_hold(self, options: LockOptions) -> float | None:
+    def _redlock_max_hold(
+        self, options: LockOptions, request: Any, settings: RedlockSettings
+    ) -> float | None:
         """How long this run's heartbeat may keep its lock: ``lock_max_hold`` when given; else
         the hard time limit that applies to this run (the call's ``time_limit``, else the
         task's, else the app's) where the pool enforces it by killing the process (prefork);
@@ -404,8 +414,8 @@ class RedlockTaskMixin:
             return options.max_hold
         if not _in_prefork_child():
             return None
-        limits = getattr(self.request, "timelimit", None) or (None, None)
-        hard = limits[0] or self.time_limit or self.app.conf.task_time_limit
+        limits = getattr(request, "timelimit", None) or (None, None)
+        hard = limits[0] or self.time_limit or settings.task_time_limit
         return float(hard) if hard else None
 
     def _redlock_slot(self, request: Any, spec: Any) -> str:

@@ -421,6 +421,29 @@ def test_a_change_of_a_policy_or_ttl_is_seen_by_the_next_run(
 
 
 @pytest.mark.timeout(30)
+def test_the_apps_time_limit_is_read_with_the_settings_and_its_change_seen(
+    app: Celery, redlock_master_urls: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Celery's ``task_time_limit`` caps a prefork child's heartbeat (task._redlock_max_hold). It
+    is read with our settings, not looked up in ``app.conf`` by every run, so a change to it
+    must make the next run read the settings again, as a change of ours does; the Redlock
+    stays, and the log line names Celery's setting as it is spelt."""
+    caplog.set_level(logging.INFO, logger="celery_redlock.settings")
+    app.conf.redlock_masters = redlock_master_urls
+    settings, redlock = app_settings_and_redlock(app)
+    assert settings.task_time_limit is None
+    app.conf.task_time_limit = 7
+    changed, same = app_settings_and_redlock(app)
+    assert changed.task_time_limit == 7
+    assert same is redlock
+    assert any("task_time_limit None -> 7" in r.getMessage() for r in caplog.records)
+    app.conf.update(task_time_limit=9)
+    assert app_settings_and_redlock(app)[0].task_time_limit == 9
+    del app.conf["task_time_limit"]
+    assert app_settings_and_redlock(app)[0].task_time_limit is None
+
+
+@pytest.mark.timeout(30)
 def test_a_bad_change_fails_every_run_naming_the_setting_until_it_is_corrected(
     app: Celery, holders: Holders, redlock_master_urls: list[str]
 ) -> None:

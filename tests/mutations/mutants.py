@@ -306,8 +306,23 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 TASK,
-                "hard = limits[0] or self.time_limit or self.app.conf.task_time_limit",
-                "hard = self.time_limit or limits[0] or self.app.conf.task_time_limit",
+                "hard = limits[0] or self.time_limit or settings.task_time_limit",
+                "hard = self.time_limit or limits[0] or settings.task_time_limit",
+            ),
+        ),
+    ),
+    Mutant(
+        "apps_time_limit_change_unseen",
+        "a change of the app's task_time_limit after first use is not read by the next run",
+        (
+            "tests/celery/test_celery_config.py::"
+            "test_the_apps_time_limit_is_read_with_the_settings_and_its_change_seen",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/settings.py",
+                "WATCHED_SETTINGS = (*DEFAULTS, *CELERY_SETTINGS_READ)",
+                "WATCHED_SETTINGS = (*DEFAULTS,)",
             ),
         ),
     ),

@@ -28,25 +28,27 @@ def checked(masters: Sequence[Master], links: list[Link | None]) -> list[Link | 
     return links
 
 
-def sleep_on(pending: Sequence[Link | None], shared: LinkSet | None, remaining: float) -> LinkSet | None:
-    """Sleep until a link of ``pending`` may have a reply, or ``remaining`` seconds passed; the
-    set to sleep on next time. The usual round's links are a parked set whose poll object
-    watches them all: slept on as it is (no poll object made per call) until it wakes for a
-    link already answered, and then never again in that call."""
+def sleep_on(
+    pending: Sequence[Link | None], shared: LinkSet | None, remaining: float
+) -> tuple[LinkSet | None, set[int]]:
+    """Sleep until a link of ``pending`` may have a reply, or ``remaining`` seconds passed: (the
+    set to sleep on next time, the descriptors the poll found readable or closed). The usual
+    round's links are a parked set whose poll object watches them all: slept on as it is (no
+    poll object made per call) until it wakes for a link already answered, and then never again
+    in that call."""
     if shared is not None:
         fds = {link.fd for link in pending if link is not None}
-        events = shared.poller.poll(remaining * 1000)
-        if events and not any(fd in fds for fd, _ in events):
-            return None  # woken by an answered link: poll the pending ones alone
-        return shared
+        ready = {fd for fd, _ in shared.poller.poll(remaining * 1000)}
+        if ready and ready.isdisjoint(fds):
+            return None, ready  # woken by an answered link: poll the pending ones alone
+        return shared, ready
     # One poll over the links still to answer (made again as they answer: a dropped link's
     # descriptor must not stay in it).
     poller = waiting.poll()
     for link in pending:
         if link is not None:
             poller.register(link.fd, WATCH)
-    poller.poll(remaining * 1000)
-    return None
+    return None, {fd for fd, _ in poller.poll(remaining * 1000)}
 
 
 def settle(

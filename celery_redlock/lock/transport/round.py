@@ -449,13 +449,16 @@ class Round:
         pending = answering
         ok = sum(1 for o in outcomes if o.kind == "ok")
         shared = self._linkset  # see sleep_on; None once a link of it was replaced (see __init__)
-        while True:
-            pending, answered = self._read_arrived(pending, commands, outcomes)
-            ok += answered
+        # No read before the first sleep: the commands were written a moment ago, and a read
+        # of a reply not yet come is a failed system call and an exception per master. The poll
+        # returns at once for a reply already there, and says which links to read.
+        while pending and ok < enough:
             remaining = deadline - time.monotonic()
-            if not pending or ok >= enough or remaining <= 0:
+            if remaining <= 0:
                 break
-            shared = sleep_on([self.links[i] for i in pending], shared, remaining)
+            shared, ready = sleep_on([self.links[i] for i in pending], shared, remaining)
+            pending, answered = self._read_arrived(pending, commands, outcomes, ready)
+            ok += answered
         for i in pending:
             link = self.links[i]
             assert link is not None
@@ -463,13 +466,24 @@ class Round:
             outcomes[i] = NOT_AWAITED
 
     def _read_arrived(
-        self, pending: list[int], commands: Sequence[Command | None], outcomes: list[Outcome]
+        self,
+        pending: list[int],
+        commands: Sequence[Command | None],
+        outcomes: list[Outcome],
+        ready: frozenset[int] | set[int],
     ) -> tuple[list[int], int]:
         """Read what has arrived from the masters in ``pending`` into ``outcomes``: the masters
-        still to answer, and how many of the others answered ``ok``."""
+        still to answer, and how many of the others answered ``ok``. ``ready``: the descriptors
+        a poll found readable; a link outside it is read only if bytes may wait in its own
+        buffers (ours, or TLS's, which a poll cannot see)."""
         still = []
         ok = 0
+        links = self.links
         for i in pending:
+            link = links[i]
+            if link is not None and link.fd not in ready and not link.tls and not link.reader.buffered():
+                still.append(i)
+                continue
             outcome = self._read(i, commands[i])
             if outcome is None:
                 still.append(i)
