@@ -362,9 +362,8 @@ class RedlockTaskMixin:
         request: Any = None,
         settings: RedlockSettings | None = None,
     ) -> None:
-        """Record the lock this run has just acquired, and keep it alive while the body runs.
-        ``request`` and ``settings``: the run's, when the caller has them at hand (each costs a
-        look-up otherwise)."""
+        """Record the lock this run has just acquired, and keep it alive while the body runs
+        (``request``, ``settings``: the run's, if at hand; looked up otherwise)."""
         # A reentrant lock is kept by its holding's inner Lock, which any thread may extend or
         # release (the view answers only for the owner asking).
         lock = acquired.holding() if isinstance(acquired, ReentrantLock) else acquired
@@ -379,10 +378,8 @@ class RedlockTaskMixin:
         run.acquired(held)
         registry.register(held)
         if options.heartbeat:
-            if request is None:
-                request = self.request
-            if settings is None:
-                settings = app_settings_and_redlock(self.app)[0]
+            request = self.request if request is None else request
+            settings = app_settings_and_redlock(self.app)[0] if settings is None else settings
             process_heartbeat().keep(
                 lock,
                 interval=options.heartbeat_interval,
