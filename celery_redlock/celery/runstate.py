@@ -56,6 +56,9 @@ class RunState:
     # The copy of this message a lock retry publishes (a Celery signature), held back until the
     # tracer has stored this run's RETRY state (see hooks.publish_lock_retry).
     retry: Any = None
+    # The app's settings as the run read them as it began: every step of the run goes by these,
+    # and none reads them again (a change meanwhile cannot fail a run that holds its lock).
+    settings: Any = None
 
     # -- before_start ---------------------------------------------------------------------------
     def open_scope(self) -> None:
@@ -135,15 +138,15 @@ class RunState:
             logger.debug("an owner scope was closed from another context", exc_info=True)
 
 
-def begin(request: Any) -> RunState:
-    """A new run's state, stored on its request.
+def begin(request: Any, settings: Any) -> RunState:
+    """A new run's state, stored on its request, with the app's ``settings`` it goes by.
 
     INVARIANT (no state from an earlier run): the request gets a new RunState at the start of
     every run, replacing any it had. Celery makes a request per run, but a request object can
     outlive one (the task's default request, which a call outside any run reads), and nothing
     of an earlier run (its lock, its skip marker, its entered call) may pass for this one's.
     """
-    run = RunState()
+    run = RunState(settings=settings)
     setattr(request, RUN_ATTR, run)
     return run
 

@@ -320,8 +320,8 @@ class RedlockTaskMixin:
     # -- the work ---------------------------------------------------------------------------------
     def _redlock_acquire(self, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         request = self.request  # a lookup through Celery's request stack each time
-        run = begin(request)
         settings, redlock = app_settings_and_redlock(self.app)
+        run = begin(request, settings)
         options = self.lock_options(settings)
         name = self.lock_name(args, kwargs)
         if options.slot is not None:
@@ -342,7 +342,7 @@ class RedlockTaskMixin:
             lock = enqueue.run_lock(redlock, request, name, options.ttl, holder)
         started = time.monotonic()
         if lock.acquire(blocking=False):
-            self._redlock_hold(run, lock, task_id, options, started, request, settings)
+            self._redlock_hold(run, lock, task_id, options, started, request)
             return
         error = lock.last_error
         assert error is not None
@@ -360,10 +360,9 @@ class RedlockTaskMixin:
         options: LockOptions,
         started: float,
         request: Any = None,
-        settings: RedlockSettings | None = None,
     ) -> None:
         """Record the lock this run has just acquired, and keep it alive while the body runs
-        (``request``, ``settings``: the run's, if at hand; looked up otherwise)."""
+        (``request``: the run's, if at hand; looked up otherwise)."""
         # A reentrant lock is kept by its holding's inner Lock, which any thread may extend or
         # release (the view answers only for the owner asking).
         lock = acquired.holding() if isinstance(acquired, ReentrantLock) else acquired
@@ -379,11 +378,10 @@ class RedlockTaskMixin:
         registry.register(held)
         if options.heartbeat:
             request = self.request if request is None else request
-            settings = app_settings_and_redlock(self.app)[0] if settings is None else settings
             process_heartbeat().keep(
                 lock,
                 interval=options.heartbeat_interval,
-                max_hold=self._redlock_max_hold(options, request, settings),
+                max_hold=self._redlock_max_hold(options, request, run.settings),
                 on_lost=self._redlock_on_lost(task_id, held),
             )
         if signals.lock_acquired.receivers:  # the hot path: no payload when nobody listens

@@ -437,10 +437,41 @@ def test_the_apps_time_limit_is_read_with_the_settings_and_its_change_seen(
     assert changed.task_time_limit == 7
     assert same is redlock
     assert any("task_time_limit None -> 7" in r.getMessage() for r in caplog.records)
+    assert not any("redlock_task_time_limit" in r.getMessage() for r in caplog.records)
     app.conf.update(task_time_limit=9)
     assert app_settings_and_redlock(app)[0].task_time_limit == 9
     del app.conf["task_time_limit"]
     assert app_settings_and_redlock(app)[0].task_time_limit is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("source", "namespace", "changed_key"),
+    [
+        ({"CELERY_TASK_TIME_LIMIT": 11}, "CELERY", "CELERY_TASK_TIME_LIMIT"),
+        ({"CELERYD_TASK_TIME_LIMIT": 11, "BROKER_URL": "memory://"}, None, "CELERYD_TASK_TIME_LIMIT"),
+        ({"task_time_limit": 11}, None, "task_time_limit"),
+    ],
+    ids=["django-namespace", "old-style", "config-object"],
+)
+def test_the_apps_time_limit_is_read_as_celery_reads_it_in_every_style(
+    redlock_master_urls: list[str], source: dict[str, Any], namespace: str | None, changed_key: str
+) -> None:
+    """Whatever name the app's configuration gives the time limit (a Django settings module's
+    ``CELERY_TASK_TIME_LIMIT``, the old ``CELERYD_TASK_TIME_LIMIT``, a configuration object),
+    the settings carry what ``app.conf.task_time_limit`` says, before and after a change to that
+    very key, and after a configuration object given after first use."""
+    app = Celery(f"limits-{uuid.uuid4().hex[:8]}", set_as_current=False)
+    masters_key = "CELERY_REDLOCK_MASTERS" if namespace else "redlock_masters"
+    app.config_from_object({masters_key: redlock_master_urls, **source}, namespace=namespace)
+    try:
+        assert app_settings_and_redlock(app)[0].task_time_limit == app.conf.task_time_limit == 11
+        app.conf[changed_key] = 12
+        assert app_settings_and_redlock(app)[0].task_time_limit == app.conf.task_time_limit == 12
+        app.config_from_object({masters_key: redlock_master_urls, **source}, namespace=namespace)
+        assert app_settings_and_redlock(app)[0].task_time_limit == app.conf.task_time_limit == 11
+    finally:
+        close_app_redlock(app)
 
 
 @pytest.mark.timeout(30)

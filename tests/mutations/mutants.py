@@ -327,6 +327,63 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
     ),
     Mutant(
+        "apps_time_limit_watched_by_one_name_only",
+        "a change of the time limit under its Django or old-style name after first use is not read",
+        (
+            "tests/celery/test_celery_config.py::"
+            "test_the_apps_time_limit_is_read_as_celery_reads_it_in_every_style",
+        ),
+        (
+            Edit(
+                "celery_redlock/celery/settings.py",
+                "else (k for name in WATCHED_SETTINGS for k in to_keys(name))",
+                "else (*(k for name in DEFAULTS for k in to_keys(name)), *CELERY_SETTINGS_READ)",
+            ),
+        ),
+    ),
+    Mutant(
+        "release_wait_spins_on_a_closed_link",
+        "a release waiting on paused masters spins on an answered link's hang-up until its deadline",
+        (
+            "tests/core/test_release_wait.py::"
+            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/transport/linkset.py",
+                "        if ready and ready.isdisjoint(fds):",
+                "        if ready and not fds:",
+            ),
+        ),
+    ),
+    Mutant(
+        "release_wait_ignores_its_own_poll",
+        "a release whose round took its links one by one never reads what its poll reported",
+        ("tests/core/test_release_wait.py::test_a_release_on_links_taken_one_by_one_returns_at_once",),
+        (
+            Edit(
+                "celery_redlock/lock/transport/linkset.py",
+                "    return None, {fd for fd, _ in poller.poll(remaining * 1000)}",
+                "    poller.poll(remaining * 1000)\n    return None, set()",
+            ),
+        ),
+    ),
+    Mutant(
+        "release_timeout_said_to_be_a_quorum",
+        "a release no quorum answered calls its silent masters 'not waited for once a quorum had answered'",
+        (
+            "tests/core/test_release_wait.py::"
+            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link",
+        ),
+        (
+            Edit(
+                ROUND,
+                "unanswered = NOT_AWAITED if ok >= enough else LATE",
+                "unanswered = NOT_AWAITED",
+            ),
+        ),
+    ),
+    Mutant(
         "reentrant_inner_exit_frees",
         "an inner exit of a reentrant lock frees it for everyone",
         ("tests/core/test_reentrant.py::test_depth_is_mirrored_and_only_the_last_exit_frees[embedded-fast]",),
@@ -560,8 +617,8 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 RUNSTATE,
-                "    run = RunState()\n    setattr(request, RUN_ATTR, run)\n",
-                "    run = getattr(request, RUN_ATTR, None) or RunState()\n"
+                "    run = RunState(settings=settings)\n    setattr(request, RUN_ATTR, run)\n",
+                "    run = getattr(request, RUN_ATTR, None) or RunState(settings=settings)\n"
                 "    setattr(request, RUN_ATTR, run)\n",
             ),
         ),

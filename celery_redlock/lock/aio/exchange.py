@@ -106,7 +106,7 @@ class AsyncExchange:
                 return results  # type: ignore[return-value]
         else:
             gather.expire()  # nothing to wait for: whatever comes later is late
-        late = NOT_AWAITED if enough else LATE
+        late = NOT_AWAITED if enough and gather.good >= enough else LATE
         return [outcome or late for outcome in results]
 
     async def call_many(
@@ -131,7 +131,7 @@ class AsyncExchange:
             await gather.future
         else:
             gather.expire()  # nothing to wait for: whatever comes later is late
-        late = NOT_AWAITED if enough else LATE
+        late = NOT_AWAITED if enough and gather.good >= enough else LATE
         results = gather.results
         return [
             [results[offsets[i] + j] or late for j in range(len(batch))] for i, batch in enumerate(batches)

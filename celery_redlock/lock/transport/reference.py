@@ -472,7 +472,8 @@ class ReferenceExchange:
             elif future.done():  # answered as the time ran out
                 results[i] = future.result()
             elif enough:  # read and skipped by the lane, as the fast transport's owed replies
-                results[i] = [NOT_AWAITED] * count
+                answered = sum(1 for got in results if got and got[0].kind == "ok")
+                results[i] = [NOT_AWAITED if answered >= enough else LATE] * count
             else:
                 self._late[i] = future
                 got = list(job.replies)  # a batch's replies read in time count

@@ -459,11 +459,12 @@ class Round:
             shared, ready = sleep_on([self.links[i] for i in pending], shared, remaining)
             pending, answered = self._read_arrived(pending, commands, outcomes, ready)
             ok += answered
+        unanswered = NOT_AWAITED if ok >= enough else LATE  # a quorum answered, or time ran out
         for i in pending:
             link = self.links[i]
             assert link is not None
             link.owed += 1
-            outcomes[i] = NOT_AWAITED
+            outcomes[i] = unanswered
 
     def _read_arrived(
         self,
