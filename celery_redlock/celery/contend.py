@@ -14,7 +14,7 @@ from ..lock.holder import parse
 from ..lock.reentrant import ReentrantLock
 from ..lock.resource import Lock
 from . import enqueue, signals
-from .hooks import PUBLISH_ID_HEADER, worker_time_limits
+from .hooks import PUBLISH_ID_HEADER, hard_time_limit, worker_time_limits
 from .lockoptions import LockOptions
 from .runholder import header, holder_task, naming_holder, same_publish
 from .runstate import RunState
@@ -205,9 +205,10 @@ def _wait_cap(task: Task, request_timeout: float) -> float | None:
     work is lost). The hard limit leaves :data:`HARD_LIMIT_MARGIN` and two rounds for what
     follows a wait that failed (its last attempt, asking for the holder, publishing the lock
     retry), the soft limit one round (the last attempt)."""
-    limits = getattr(task.request, "timelimit", None) or (None, None)
-    worker_hard, worker_soft = worker_time_limits()
-    hard = limits[0] or getattr(task, "time_limit", None) or worker_hard or task.app.conf.task_time_limit
+    request = task.request
+    limits = getattr(request, "timelimit", None) or (None, None)
+    hard = hard_time_limit(task, request, task.app.conf.task_time_limit)
+    worker_soft = worker_time_limits()[1]
     soft = (
         (limits[1] if len(limits) > 1 else None)
         or getattr(task, "soft_time_limit", None)

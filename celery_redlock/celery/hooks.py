@@ -143,6 +143,15 @@ def worker_time_limits() -> tuple[float | None, float | None]:
     return getattr(_worker, "time_limit", None), getattr(_worker, "soft_time_limit", None)
 
 
+def hard_time_limit(task: Any, request: Any, app_limit: Any) -> Any:
+    """The hard time limit that applies to a run of ``task``: the call's (its message's
+    ``timelimit``), else the task's, else this worker's own (``--time-limit``), else the app's
+    (``app_limit``, its ``task_time_limit``); falsy when it has none. The one rule for both
+    the heartbeat's cap and the cap on a wait for the lock."""
+    limits = getattr(request, "timelimit", None) or (None, None)
+    return limits[0] or getattr(task, "time_limit", None) or getattr(_worker, "time_limit", None) or app_limit
+
+
 def start_metrics(**kwargs: Any) -> None:
     from . import metrics
 

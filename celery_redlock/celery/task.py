@@ -57,7 +57,7 @@ from . import held as registry
 from . import options as option_table
 from .contend import ATTEMPT_HEADER, EAGER_UNAVAILABLE_WAIT
 from .held import Held
-from .hooks import PUBLISH_ID_HEADER
+from .hooks import PUBLISH_ID_HEADER, hard_time_limit
 from .keys import KeySpec, LockKey, compile_lock_key
 from .lockoptions import LockOptions, check_static_options, resolve_options
 from .runholder import header, holder_text
@@ -401,16 +401,15 @@ class RedlockTaskMixin:
         self, options: LockOptions, request: Any, settings: RedlockSettings
     ) -> float | None:
         """How long this run's heartbeat may keep its lock: ``lock_max_hold`` when given; else
-        the hard time limit that applies to this run (the call's ``time_limit``, else the
-        task's, else the app's) where the pool enforces it by killing the process (prefork);
-        else no cap. A cap from a limit that does not end the body (the threads pool, a call
-        that raised its own limit) would let the lock expire under a running body."""
+        the hard time limit that applies to this run (see :func:`.hooks.hard_time_limit`) where
+        the pool enforces it by killing the process (prefork); else no cap. A cap from a limit
+        that does not end the body (the threads pool, a call that raised its own limit) would
+        let the lock expire under a running body."""
         if options.max_hold is not None:
             return options.max_hold
         if not _in_prefork_child():
             return None
-        limits = getattr(request, "timelimit", None) or (None, None)
-        hard = limits[0] or self.time_limit or settings.task_time_limit
+        hard = hard_time_limit(self, request, settings.task_time_limit)
         return float(hard) if hard else None
 
     def _redlock_slot(self, request: Any, spec: Any) -> str:

@@ -305,9 +305,9 @@ MUTANTS: tuple[Mutant, ...] = (
         ),
         (
             Edit(
-                TASK,
-                "hard = limits[0] or self.time_limit or settings.task_time_limit",
-                "hard = self.time_limit or limits[0] or settings.task_time_limit",
+                HOOKS,
+                'return limits[0] or getattr(task, "time_limit", None) or',
+                'return getattr(task, "time_limit", None) or limits[0] or',
             ),
         ),
     ),
@@ -924,9 +924,9 @@ MUTANTS: tuple[Mutant, ...] = (
         (f"{R24_ENDS}::test_a_marked_run_waiting_under_the_workers_time_limit_option_is_not_killed",),
         (
             Edit(
-                "celery_redlock/celery/contend.py",
-                "    worker_hard, worker_soft = worker_time_limits()\n",
-                "    worker_hard, worker_soft = None, None\n",
+                HOOKS,
+                'or getattr(_worker, "time_limit", None) or app_limit',
+                "or app_limit",
             ),
         ),
     ),
