@@ -16,10 +16,13 @@ from __future__ import annotations
 import logging
 from contextvars import Token
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..lock.owner import OwnerScope, close_scope, open_scope
 from .held import Held
+
+if TYPE_CHECKING:
+    from .settings import RedlockSettings
 
 logger = logging.getLogger("celery_redlock.task")
 
@@ -58,7 +61,7 @@ class RunState:
     retry: Any = None
     # The app's settings as the run read them as it began: every step of the run goes by these,
     # and none reads them again (a change meanwhile cannot fail a run that holds its lock).
-    settings: Any = None
+    settings: RedlockSettings | None = None
 
     # -- before_start ---------------------------------------------------------------------------
     def open_scope(self) -> None:
@@ -138,7 +141,7 @@ class RunState:
             logger.debug("an owner scope was closed from another context", exc_info=True)
 
 
-def begin(request: Any, settings: Any) -> RunState:
+def begin(request: Any, settings: RedlockSettings) -> RunState:
     """A new run's state, stored on its request, with the app's ``settings`` it goes by.
 
     INVARIANT (no state from an earlier run): the request gets a new RunState at the start of

@@ -378,6 +378,7 @@ class RedlockTaskMixin:
         registry.register(held)
         if options.heartbeat:
             request = self.request if request is None else request
+            assert run.settings is not None  # given by begin()
             process_heartbeat().keep(
                 lock,
                 interval=options.heartbeat_interval,

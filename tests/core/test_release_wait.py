@@ -56,12 +56,15 @@ def held_lock(redlock: Redlock, name: str) -> object:
 
 
 @pytest.mark.timeout(30)
-def test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link(three: ServerSet) -> None:
+@pytest.mark.parametrize("transport", ["fast", "redis-py"])
+def test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link(
+    three: ServerSet, transport: str
+) -> None:
     """Two of three masters paused: no quorum can answer, so the release waits its whole
     request timeout. Meanwhile the one master that answered closes the link (its poll then
     reports a hang-up for ever). The wait must go on sleeping: a few milliseconds of CPU, not
     the whole second."""
-    with Redlock(three.urls, ttl=30.0, request_timeout=REQUEST_TIMEOUT) as redlock:
+    with Redlock(three.urls, ttl=30.0, request_timeout=REQUEST_TIMEOUT, transport=transport) as redlock:
         lock = held_lock(redlock, "spin")
         killer = threading.Timer(0.1, kill_connections, (three, 0))
         three[1].pause()

@@ -346,7 +346,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a release waiting on paused masters spins on an answered link's hang-up until its deadline",
         (
             "tests/core/test_release_wait.py::"
-            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link",
+            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link[fast]",
         ),
         (
             Edit(
@@ -373,7 +373,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "a release no quorum answered calls its silent masters 'not waited for once a quorum had answered'",
         (
             "tests/core/test_release_wait.py::"
-            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link",
+            "test_a_release_waiting_on_paused_masters_does_not_spin_on_a_closed_link[fast]",
         ),
         (
             Edit(

@@ -465,6 +465,8 @@ class ReferenceExchange:
         enough: int,
     ) -> None:
         """The outcomes of the jobs not taken by the deadline (or by ``enough``)."""
+        # Those not waited for stopped being waited for on a quorum, or when time ran out.
+        reached = sum(1 for got in results if got and got[0].kind == "ok") >= enough
         for future, (i, job) in jobs.items():
             count = len(job.commands)
             if (not keep and future.cancel()) or not (future.running() or future.done()):
@@ -472,8 +474,7 @@ class ReferenceExchange:
             elif future.done():  # answered as the time ran out
                 results[i] = future.result()
             elif enough:  # read and skipped by the lane, as the fast transport's owed replies
-                answered = sum(1 for got in results if got and got[0].kind == "ok")
-                results[i] = [NOT_AWAITED if answered >= enough else LATE] * count
+                results[i] = [NOT_AWAITED if reached else LATE] * count
             else:
                 self._late[i] = future
                 got = list(job.replies)  # a batch's replies read in time count

@@ -471,7 +471,7 @@ class Round:
         pending: list[int],
         commands: Sequence[Command | None],
         outcomes: list[Outcome],
-        ready: frozenset[int] | set[int],
+        ready: set[int],
     ) -> tuple[list[int], int]:
         """Read what has arrived from the masters in ``pending`` into ``outcomes``: the masters
         still to answer, and how many of the others answered ``ok``. ``ready``: the descriptors
