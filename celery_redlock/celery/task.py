@@ -277,7 +277,10 @@ class RedlockTaskMixin:
         einfo: Any,
     ) -> None:
         try:
-            self._redlock_finish(status)
+            # The run's lock is nearly always released as its body ended: a look in the registry
+            # (a lock still held is registered under its task id) spares the request look-up.
+            if registry.holds(task_id):
+                self._redlock_finish(status)
         finally:
             parent = getattr(super(), "after_return", None)
             if parent is not None:

@@ -139,6 +139,13 @@ def heartbeat_interval(lock: Lock, interval: float | None) -> float:
     )
 
 
+# The checked intervals a heartbeat keeps (see Heartbeat._interval): past this many distinct TTL
+# and interval pairs, the rest are checked on every keep().
+MAX_INTERVALS_KEPT = 256
+# The interval types whose checked value may be looked up: None and a float. A bool equals and
+# hashes like an int (True like 1.0), so any other type is checked anew each time, and refused.
+_PLAIN_INTERVALS = (type(None), float)
+
 # Queue items are (due time, sequence, entry) tuples: the heap compares them in C, where an
 # ordered dataclass would run a Python __lt__ for every comparison of every push and pop.
 _Due = tuple[float, int, _Entry]
@@ -157,7 +164,13 @@ class Heartbeat:
         """No lock kept, no thread: a new heartbeat, or a forked child's copy of one."""
         self._queue: list[_Due] = []
         self._entries: dict[int, _Entry] = {}
-        self._cond = threading.Condition(threading.Lock())  # never taken re-entrantly
+        # The hot paths (keep, forget) take the condition's own mutex: a ``with`` on it runs in C,
+        # where the Condition's __enter__ and __exit__ are two Python calls each time.
+        self._mutex = threading.Lock()  # never taken re-entrantly
+        self._cond = threading.Condition(self._mutex)
+        # Intervals already checked against the rule, by (request_timeout, drift factor, ttl,
+        # interval asked): a process keeps locks of a few TTLs, thousands of times each.
+        self._intervals: dict[tuple[float, float, float, float | None], tuple[float, float]] = {}
         self._thread: threading.Thread | None = None
         self._running = False  # the thread runs (cheaper to read than Thread.is_alive())
         self._stopping = False
@@ -185,19 +198,19 @@ class Heartbeat:
         lock = _kept(lock)
         if not lock.owned():
             raise ValueError(f"lock {lock.name!r} is not held; acquire it before keeping it alive")
-        every = heartbeat_interval(lock, interval)
+        every, beat = self._interval(lock, interval)
         # INVARIANT (an operator's release never breaks a live holder): a kept lock counts as
         # owned only until interval + margin after the start of its last extension (or from
         # now, for the first). An operator's watch calls a holder dead only after seeing no
         # extension for that long (lock/liveness.py), so by then the holder no longer acts on
         # the lock even if its heartbeat was held up (a long C call holding the GIL, SIGSTOP).
-        lock._keep_alive(every + margin(every, lock.redlock.request_timeout))
-        if max_hold is not None:
+        lock._keep_alive(beat)
+        if max_hold is not None and not (type(max_hold) is float and 0 < max_hold < math.inf):
             max_hold = number("max_hold", max_hold, above=0, unit="seconds")
         hold_until = None if max_hold is None else now() + max_hold
         entry = _Entry(weakref.ref(lock), every, on_lost, hold_until, lock.token)
         due = now() + every
-        with self._cond:
+        with self._mutex:
             old = self._entries.get(id(lock))
             if old is not None:
                 old.done = True
@@ -205,17 +218,32 @@ class Heartbeat:
             # A thread wake-up per task costs more than the rest of keep() and forget() together,
             # so the thread is woken only when this lock is due before it would wake anyway.
             wake = due < self._sleep_until
-            self._push(due, entry)
-            self._ensure_thread()
+            heapq.heappush(self._queue, (due, next(self._seq), entry))  # _push, inlined
+            if not self._running or self._stopping:
+                self._ensure_thread()
             if wake:
                 self._cond.notify()
+
+    def _interval(self, lock: Lock, interval: float | None) -> tuple[float, float]:
+        """(:func:`heartbeat_interval`, that plus its :func:`margin`) for ``lock``, looked up
+        when that TTL and interval were checked before (a ConfigError is never kept: a bad
+        interval raises every time)."""
+        redlock = lock.redlock
+        key = (redlock.request_timeout, redlock.drift_factor, lock.ttl, interval)
+        known = self._intervals.get(key)
+        if known is None or type(interval) not in _PLAIN_INTERVALS:
+            every = heartbeat_interval(lock, interval)
+            known = every, every + margin(every, redlock.request_timeout)
+            if len(self._intervals) < MAX_INTERVALS_KEPT:
+                self._intervals[key] = known
+        return known
 
     def forget(self, lock: Lock | ReentrantLock) -> None:
         """Stop keeping ``lock`` alive (call before or after releasing it)."""
         lock = _kept(lock)
         lock._keep_alive(None)
         owed = None
-        with self._cond:
+        with self._mutex:
             entry = self._entries.pop(id(lock), None)
             if entry is not None:
                 entry.done = True
@@ -242,12 +270,12 @@ class Heartbeat:
 
     def kept(self) -> list[Lock]:
         """The locks kept alive now."""
-        with self._cond:
+        with self._mutex:
             refs = [e.lock_ref() for e in self._entries.values() if not e.done]
         return [lock for lock in refs if lock is not None]
 
     def stop(self, timeout: float = 5.0) -> None:
-        with self._cond:
+        with self._mutex:
             self._stopping = True
             self._cond.notify()
             thread = self._thread
@@ -269,12 +297,12 @@ class Heartbeat:
         try:
             self._beat_until_stopped()
         finally:
-            with self._cond:
+            with self._mutex:
                 self._running = False
 
     def _beat_until_stopped(self) -> None:
         while True:
-            with self._cond:
+            with self._mutex:
                 due = self._wait_for_due()
             if due is None:
                 return
@@ -401,19 +429,19 @@ class Heartbeat:
         self._lost(lock, entry, reason)
 
     def _reschedule(self, entry: _Entry, at: float) -> None:
-        with self._cond:
+        with self._mutex:
             if not entry.done:
                 self._push(at, entry)
 
     def _finish(self, lock: Lock, entry: _Entry) -> None:
-        with self._cond:
+        with self._mutex:
             entry.done = True
             if self._entries.get(id(lock)) is entry:
                 del self._entries[id(lock)]
 
     def _lost(self, lock: Lock, entry: _Entry, reason: str) -> None:
         self._finish(lock, entry)
-        with self._cond:  # see forget(): one of the two calls it
+        with self._mutex:  # see forget(): one of the two calls it
             owed, entry.on_lost = entry.on_lost, None
         logger.error("lock %s lost: %s", lock.name, reason)
         if owed is None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from celery_redlock import Lock, LockLost, Redlock
+from celery_redlock import ConfigError, Lock, LockLost, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
 
@@ -120,6 +120,44 @@ def test_released_locks_are_dropped_silently(rl: Redlock, heartbeat: Heartbeat) 
 def test_keep_refuses_a_lock_not_held(rl: Redlock, heartbeat: Heartbeat) -> None:
     with pytest.raises(ValueError, match="not held"):
         heartbeat.keep(rl.lock("never"))
+
+
+def test_an_interval_checked_for_one_ttl_is_not_taken_for_another(rl: Redlock, heartbeat: Heartbeat) -> None:
+    """keep() remembers the intervals it has checked, per TTL: a short lock kept after a long
+    one gets its own default interval (a third of its TTL), not the long one's, and outlives
+    several of its TTLs."""
+    long = rl.lock("remembered-long", ttl=30.0)
+    short = rl.lock("remembered-short", ttl=0.4)
+    assert take(long) and take(short)
+    heartbeat.keep(long)  # default interval 10 s, remembered
+    heartbeat.keep(short)
+    started = time.monotonic()
+    while time.monotonic() - started < 1.4:  # three and a half TTLs of the short lock
+        assert short.owned(), "the short lock was kept at the long lock's interval"
+        time.sleep(0.05)
+    for lock in (short, long):
+        heartbeat.forget(lock)
+        lock.release()
+
+
+@pytest.mark.parametrize("bad", [True, float("nan"), 100.0])
+def test_a_bad_interval_is_refused_every_time_whatever_was_remembered(
+    rl: Redlock, heartbeat: Heartbeat, bad: float
+) -> None:
+    """A bool equals and hashes like the float it stands for (True like 1.0), and a NaN or a
+    too-long interval is never remembered: each is refused at every keep()."""
+    fine = rl.lock("remembered-fine", ttl=30.0)
+    assert take(fine)
+    heartbeat.keep(fine, interval=1.0)  # 1.0 is remembered for this TTL
+    for attempt in range(2):
+        lock = rl.lock(f"remembered-bad-{attempt}", ttl=30.0)
+        assert take(lock)
+        with pytest.raises(ConfigError, match="interval"):
+            heartbeat.keep(lock, interval=bad)
+        assert lock not in heartbeat.kept()
+        lock.release()
+    heartbeat.forget(fine)
+    fine.release()
 
 
 def test_a_forked_child_gets_its_own_heartbeat() -> None:

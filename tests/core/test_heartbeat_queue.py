@@ -29,8 +29,8 @@ class CountingCondition(threading.Condition):
     """A Condition that counts notify() calls (keep() waking the thread) and wait() calls (the
     thread going back to sleep, once per wake-up)."""
 
-    def __init__(self) -> None:
-        super().__init__(threading.Lock())
+    def __init__(self, mutex: threading.Lock) -> None:
+        super().__init__(mutex)
         self.notifies = 0
         self.waits = 0
 
@@ -71,8 +71,10 @@ def heartbeat() -> Iterator[Heartbeat]:
 
 
 def test_keep_does_not_wake_the_thread_per_lock(rl3: Redlock, heartbeat: Heartbeat) -> None:
-    cond = CountingCondition()
-    heartbeat._cond = cond  # before the first keep(): the thread only ever sees this one
+    # Over the heartbeat's own mutex, which keep() and forget() take (not the condition's
+    # __enter__): set before the first keep(), so the thread only ever sees this one.
+    cond = CountingCondition(heartbeat._mutex)
+    heartbeat._cond = cond
     keeps = 300
     for n in range(keeps):
         lock = rl3.lock(f"churn-{n}", ttl=30)  # due in 10 s: the thread never has to wake

@@ -1275,4 +1275,30 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "remembered_interval_ignores_the_ttl",
+        "a heartbeat interval checked for one TTL is taken for every TTL: a short lock kept at a "
+        "long lock's interval expires under its holder",
+        ("tests/core/test_heartbeat.py::test_an_interval_checked_for_one_ttl_is_not_taken_for_another",),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        key = (redlock.request_timeout, redlock.drift_factor, lock.ttl, interval)\n",
+                "        key = (redlock.request_timeout, redlock.drift_factor, interval)  # type: ignore\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "remembered_interval_takes_a_bool",
+        "keep(interval=True) finds the 1.0 s remembered for its TTL and is kept at it, where a bool "
+        "must be refused",
+        ("tests/core/test_heartbeat.py::test_a_bad_interval_is_refused_every_time_whatever_was_remembered",),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        if known is None or type(interval) not in _PLAIN_INTERVALS:\n",
+                "        if known is None:\n",
+            ),
+        ),
+    ),
 )
