@@ -71,11 +71,6 @@ def release_task(task_id: str, reason: str) -> bool:
     return True
 
 
-def holds(task_id: str | None) -> bool:
-    """Whether an execution of ``task_id`` in this process holds a lock it has not released."""
-    return task_id in _held
-
-
 def finish_after_run(task: Any, task_id: str | None, state: str) -> None:
     """``task_postrun``: release what ``after_return`` did not (an ignored, rejected or
     terminated run). Every task of the process ends here, locked or not, and after_return has

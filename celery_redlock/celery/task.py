@@ -277,10 +277,10 @@ class RedlockTaskMixin:
         einfo: Any,
     ) -> None:
         try:
-            # The run's lock is nearly always released as its body ended: a look in the registry
-            # (a lock still held is registered under its task id) spares the request look-up.
-            if registry.holds(task_id):
-                self._redlock_finish(status)
+            # The run is looked up through its request, not the registry: the registry has one
+            # entry per task id, and two executions of one task id in a process (a reused id
+            # on a threads pool) would hide one run's lock behind the other's.
+            self._redlock_finish(status)
         finally:
             parent = getattr(super(), "after_return", None)
             if parent is not None:
