@@ -277,7 +277,7 @@ class Heartbeat:
     def stop(self, timeout: float = 5.0) -> None:
         with self._mutex:
             self._stopping = True
-            self._cond.notify()
+            self._cond.notify_all()  # a thread replaced by keep() may still be waiting
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -290,6 +290,9 @@ class Heartbeat:
         if not self._running or self._stopping:  # stopping: that thread is on its way out
             self._running = True
             self._stopping = False
+            # INVARIANT: one thread beats at a time. A thread told to stop may still be inside
+            # a beat (outside the mutex) when keep() starts its successor here and clears the
+            # stop: it must not go on, so every thread runs only while it is ``_thread``.
             self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
             self._thread.start()
 
@@ -298,7 +301,8 @@ class Heartbeat:
             self._beat_until_stopped()
         finally:
             with self._mutex:
-                self._running = False
+                if self._thread is threading.current_thread():  # not a replaced one's
+                    self._running = False
 
     def _beat_until_stopped(self) -> None:
         while True:
@@ -314,8 +318,9 @@ class Heartbeat:
     def _wait_for_due(self) -> list[_Entry] | None:
         """The entries to extend now, once the first is due (called holding the condition):
         every entry due by then or within ``BATCH_WINDOW`` of its interval after it, so that
-        they share one round. None to stop."""
-        while not self._stopping:
+        they share one round. None to stop (told to, or replaced: see _ensure_thread)."""
+        me = threading.current_thread()
+        while self._beats(me):
             queue = self._queue  # forget() may replace it (compaction) while this one waits
             current = now()
             if queue and current - queue[0][0] > queue[0][2].interval:
@@ -350,6 +355,11 @@ class Heartbeat:
             self._cond.wait(None if until == math.inf else until - current)
             self._sleep_until = 0.0
         return None
+
+    def _beats(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is to go on beating: not told to stop, and not replaced (see
+        _ensure_thread's INVARIANT). Asked holding the condition."""
+        return not self._stopping and self._thread is thread
 
     def _beat(self, due: list[_Entry]) -> None:
         """Extend every due lock, one round per Redlock (and per ``MAX_BATCH`` locks)."""

@@ -1301,4 +1301,31 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "after_return_trusts_the_registry",
+        "after_return releases only a run the held registry names: of two executions of one task "
+        "id, the one whose entry the other replaced keeps its lock for ever",
+        ("tests/review46/test_review46_reused_task_id.py",),
+        (
+            Edit(
+                TASK,
+                "            self._redlock_finish(status)\n        finally:\n",
+                "            if task_id in registry._held:\n"
+                "                self._redlock_finish(status)\n        finally:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "replaced_heartbeat_thread_goes_on",
+        "a heartbeat thread that keep() replaced after stop() goes on beating: two threads, and a "
+        "stop that leaves one running",
+        ("tests/review46/test_review46_stop_race.py",),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        return not self._stopping and self._thread is thread\n",
+                "        return not self._stopping\n",
+            ),
+        ),
+    ),
 )
