@@ -121,7 +121,7 @@ class AsyncMachine(RuleBasedStateMachine):
             # Progress: another client's acquire, started now, is granted at once: no master
             # refuses it (an attempt whose answers came late on a loaded host is made again).
             probe = self.clients[(k + 1) % 2].lock(RESOURCE)
-            assert self._run(take(probe)), "a released lock was refused"
+            assert self._run(take(probe)), ("a released lock was refused", probe.last_error)
             assert self._run(probe.release())
             return
         deadline = time.monotonic() + WAKE_BOUND
