@@ -6,6 +6,7 @@ by the tests that ask for it). Everything is stopped at the end."""
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from celery_redlock import Redlock
+from celery_redlock import Lock, Redlock
 from celery_redlock.celery.settings import close_app_redlock
 from celery_redlock.lock.heartbeat import Heartbeat
 from celery_redlock.testing import CeleryWorker, RedisServer, ServerSet
@@ -83,16 +84,15 @@ def r46(world46: World) -> Iterator[Any]:
         close_app_redlock(app.app)
 
 
-@pytest.fixture(scope="session")
-def threads46(r46: Any, world46: World) -> Iterator[tuple[CeleryWorker, str]]:
-    """A real threads worker (concurrency 4) and the queue it consumes."""
-    queue = f"r46-threads-{uuid.uuid4().hex[:8]}"
+def _worker(world: World, pool: str, concurrency: int) -> Iterator[tuple[CeleryWorker, str]]:
+    """A real worker of ``pool`` on a queue of its own, stopped when the session ends."""
+    queue = f"r46-{pool}-{uuid.uuid4().hex[:8]}"
     worker = CeleryWorker(
         "tests.review46.app",
-        pool="threads",
-        concurrency=4,
+        pool=pool,
+        concurrency=concurrency,
         queues=[queue],
-        env=world46.env,
+        env=world.env,
         pythonpath=[str(ROOT)],
     )
     worker.start()
@@ -100,22 +100,24 @@ def threads46(r46: Any, world46: World) -> Iterator[tuple[CeleryWorker, str]]:
         yield worker, queue
     finally:
         worker.stop()
+
+
+@pytest.fixture(scope="session")
+def threads46(r46: Any, world46: World) -> Iterator[tuple[CeleryWorker, str]]:
+    """A real threads worker (concurrency 4) and the queue it consumes."""
+    yield from _worker(world46, "threads", 4)
 
 
 @pytest.fixture(scope="session")
 def prefork46(r46: Any, world46: World) -> Iterator[tuple[CeleryWorker, str]]:
     """A real prefork worker (concurrency 2) and the queue it consumes."""
-    queue = f"r46-prefork-{uuid.uuid4().hex[:8]}"
-    worker = CeleryWorker(
-        "tests.review46.app",
-        pool="prefork",
-        concurrency=2,
-        queues=[queue],
-        env=world46.env,
-        pythonpath=[str(ROOT)],
-    )
-    worker.start()
-    try:
-        yield worker, queue
-    finally:
-        worker.stop()
+    yield from _worker(world46, "prefork", 2)
+
+
+def outlives(*locks: Lock, seconds: float, what: str = "") -> None:
+    """Every lock of ``locks`` stays owned (kept alive by its heartbeat) for ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for lock in locks:
+            assert lock.owned(), f"{lock!r} was not kept alive{f': {what}' if what else ''}"
+        time.sleep(0.05)

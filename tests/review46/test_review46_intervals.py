@@ -17,24 +17,15 @@ import pytest
 from celery_redlock import ConfigError, Lock, Redlock
 from celery_redlock.lock.heartbeat import MAX_INTERVALS_KEPT, Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
+from tests.core.conftest import take
+
+from .conftest import outlives
 
 pytestmark = pytest.mark.timeout(60)
 
 
 class Seconds(float):
     """A float subclass, as a settings layer might hand one over."""
-
-
-def take(lock: Lock) -> bool:
-    return lock.acquire(blocking=False)
-
-
-def outlives(lock: Lock, seconds: float) -> None:
-    """``lock`` stays owned (and unobtainable to another client) for ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert lock.owned(), f"{lock!r} was not kept alive"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -75,7 +66,7 @@ def test_an_interval_checked_for_one_redlock_is_checked_again_for_another(
                 beat.keep(bad, interval=0.7)
             assert bad not in beat.kept()
             bad.release()
-        outlives(good, 3.0)  # three TTLs
+        outlives(good, seconds=3.0)  # three TTLs
     finally:
         beat.forget(good)
         good.release()
@@ -95,10 +86,7 @@ def test_the_default_interval_follows_the_request_timeout(
         intervals = {lock.name: e.interval for e in beat46._entries.values() if (lock := e.lock_ref())}
         assert intervals["default-base"] == pytest.approx(0.3)
         assert intervals["default-slow"] == pytest.approx(0.9 - 0.011 - 0.6)
-        deadline = time.monotonic() + 3.6  # four TTLs
-        while time.monotonic() < deadline:
-            assert base.owned() and slow.owned()
-            time.sleep(0.05)
+        outlives(base, slow, seconds=3.6)  # four TTLs
     finally:
         for lock in (base, slow):
             beat46.forget(lock)
@@ -140,7 +128,7 @@ def test_a_bad_interval_is_refused_at_every_keep(rl46: Redlock, beat46: Heartbea
                 beat46.keep(lock, interval=bad)  # type: ignore[arg-type]
             assert lock not in beat46.kept()
             lock.release()
-        outlives(good, 3.0)  # two TTLs
+        outlives(good, seconds=3.0)  # two TTLs
     finally:
         beat46.forget(good)
         good.release()
@@ -164,7 +152,7 @@ def test_a_good_interval_of_another_type_keeps_the_lock(
         beat46.keep(lock, interval=fine)  # type: ignore[arg-type]
         (entry,) = (e for e in beat46._entries.values() if e.lock_ref() is lock)
         assert type(entry.interval) is float and entry.interval == float(fine)  # type: ignore[arg-type]
-        outlives(lock, 2.0 if attempt else 0.2)
+        outlives(lock, seconds=2.0 if attempt else 0.2)
         beat46.forget(lock)
         lock.release()
 
@@ -186,7 +174,7 @@ def test_past_the_cache_bound_intervals_are_still_checked(rl46: Redlock, beat46:
     with pytest.raises(ConfigError, match="interval"):
         beat46.keep(short, interval=1.0)  # remembered for TTL 30, never for 0.5
     beat46.keep(short)
-    outlives(short, 1.6)
+    outlives(short, seconds=1.6)
     beat46.forget(short)
     short.release()
 
@@ -218,7 +206,7 @@ def test_a_bad_max_hold_is_refused_naming_it(rl46: Redlock, beat46: Heartbeat, b
                 beat46.keep(lock, max_hold=bad)  # type: ignore[arg-type]
             assert lock not in beat46.kept()
             lock.release()
-        outlives(good, 2.0)
+        outlives(good, seconds=2.0)
     finally:
         beat46.forget(good)
         good.release()
@@ -246,7 +234,7 @@ def test_a_good_max_hold_stops_the_extensions_in_time(rl46: Redlock, beat46: Hea
 
     started = time.monotonic()
     beat46.keep(lock, max_hold=hold, on_lost=on_lost)  # type: ignore[arg-type]
-    outlives(lock, 0.8)
+    outlives(lock, seconds=0.8)
     assert lost.wait(3.0)
     given_up = time.monotonic() - started
     assert 0.95 <= given_up <= 1.6, given_up

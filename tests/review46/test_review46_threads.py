@@ -15,10 +15,9 @@ import pytest
 from celery_redlock import Lock, Redlock
 from celery_redlock.lock.heartbeat import Heartbeat, process_heartbeat
 from celery_redlock.testing import ServerSet
+from tests.core.conftest import take
 
-
-def take(lock: Lock) -> bool:
-    return lock.acquire(blocking=False)
+from .conftest import outlives
 
 
 @pytest.mark.timeout(90)
@@ -104,10 +103,7 @@ def _child_keeps(rl: Redlock, write: int) -> None:
         lock = rl.lock(f"child-{os.getpid()}", ttl=0.4)
         assert take(lock)
         beat.keep(lock, interval=0.1)
-        deadline = time.monotonic() + 1.6
-        while time.monotonic() < deadline:
-            assert lock.owned(), "the child's lock was not extended"
-            time.sleep(0.05)
+        outlives(lock, seconds=1.6, what="the child's lock was not extended")
         beat.forget(lock)
         assert lock.release()
         os.write(write, b"ok")
@@ -183,9 +179,6 @@ def test_keep_after_stop_starts_a_thread_that_extends(rl46: Redlock, beat46: Hea
         assert first is not None and not first.is_alive()
         beat46.keep(lock)  # kept again after the stop
         assert beat46._thread is not first and beat46._thread is not None
-        deadline = time.monotonic() + 1.4
-        while time.monotonic() < deadline:
-            assert lock.owned(), f"round {round_}: not extended after stop() and keep()"
-            time.sleep(0.05)
+        outlives(lock, seconds=1.4, what=f"round {round_}: not extended after stop() and keep()")
         beat46.forget(lock)
         assert lock.release()
