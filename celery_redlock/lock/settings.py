@@ -138,6 +138,10 @@ class Settings:
     def check_ttl(self, name: str, value: object) -> float:
         """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`, at most
         :data:`MAX_TTL`), else a :class:`ConfigError` that names the bound and what it follows from."""
+        if type(value) is float and self.min_ttl <= value <= MAX_TTL:
+            # The usual TTL, checked on every lock made: a plain float in range (never a NaN, which
+            # fails both comparisons) is what number() would return, without its calls.
+            return value
         ttl = number(name, value, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY)
         if ttl < self.min_ttl:
             raise ConfigError(

@@ -1328,4 +1328,29 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "ttl_fast_path_skips_the_least",
+        "a float TTL skips the check against min_ttl: a lock no round can honour is made, where its "
+        "TTL must be refused",
+        ("tests/core/test_lock_semantics.py::test_a_ttl_below_what_the_algorithm_can_honour_is_refused",),
+        (
+            Edit(
+                SETTINGS,
+                "        if type(value) is float and self.min_ttl <= value <= MAX_TTL:\n",
+                "        if type(value) is float and value <= MAX_TTL:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "ttl_fast_path_skips_the_most",
+        "a float TTL skips the check against MAX_TTL: a TTL the servers cannot take is accepted",
+        ("tests/core/test_seams_input.py::test_a_ttl_the_servers_cannot_take_is_refused_where_it_is_given",),
+        (
+            Edit(
+                SETTINGS,
+                "        if type(value) is float and self.min_ttl <= value <= MAX_TTL:\n",
+                "        if type(value) is float and self.min_ttl <= value:\n",
+            ),
+        ),
+    ),
 )
