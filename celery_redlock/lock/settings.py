@@ -138,9 +138,11 @@ class Settings:
     def check_ttl(self, name: str, value: object) -> float:
         """``value`` as a TTL this Redlock can honour (at least :attr:`min_ttl`, at most
         :data:`MAX_TTL`), else a :class:`ConfigError` that names the bound and what it follows from."""
-        if type(value) is float and self.min_ttl <= value <= MAX_TTL:
+        if type(value) is float and 0 < self.min_ttl <= value <= MAX_TTL:
             # The usual TTL, checked on every lock made: a plain float in range (never a NaN, which
-            # fails both comparisons) is what number() would return, without its calls.
+            # fails both comparisons) is what number() would return, without its calls. min_ttl
+            # is always above 0 (see _min_ttl); the first comparison keeps number()'s own bound
+            # should anyone set it lower by hand.
             return value
         ttl = number(name, value, above=0, at_most=MAX_TTL, unit="seconds", why=_MAX_TTL_WHY)
         if ttl < self.min_ttl:

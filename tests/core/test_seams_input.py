@@ -90,6 +90,18 @@ def test_a_ttl_the_servers_cannot_take_is_refused_where_it_is_given(
         lock.release()
 
 
+def test_a_float_ttl_is_refused_at_zero_and_below_whatever_min_ttl_was_set_to(
+    redlock_masters: ServerSet,
+) -> None:
+    # check_ttl's fast path for a plain float leans on min_ttl, which is public: set lower by
+    # hand, it must still not let a TTL of zero or less through.
+    with Redlock(redlock_masters.urls[:3], retry_count=0) as rl:
+        rl.min_ttl = 0.0
+        for ttl in (0.0, -0.0, -0.5):
+            with pytest.raises(ConfigError, match=r"^ttl must be > 0 seconds"):
+                rl.lock("zero-or-less", ttl=ttl)
+
+
 def _commands_served(clients: list[redis.Redis]) -> list[int]:
     """How many commands each master has run, but the INFO calls that ask it (commandstats).
     The same clients for every count: a new connection's own handshake would count too."""

@@ -1336,7 +1336,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 SETTINGS,
-                "        if type(value) is float and self.min_ttl <= value <= MAX_TTL:\n",
+                "        if type(value) is float and 0 < self.min_ttl <= value <= MAX_TTL:\n",
                 "        if type(value) is float and value <= MAX_TTL:\n",
             ),
         ),
@@ -1348,8 +1348,24 @@ MUTANTS: tuple[Mutant, ...] = (
         (
             Edit(
                 SETTINGS,
+                "        if type(value) is float and 0 < self.min_ttl <= value <= MAX_TTL:\n",
+                "        if type(value) is float and 0 < self.min_ttl <= value:\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "ttl_fast_path_trusts_min_ttl",
+        "the fast path leans on min_ttl alone: with min_ttl set to 0 by hand a TTL of 0 or below is "
+        "taken, where number() refuses it",
+        (
+            "tests/core/test_seams_input.py::"
+            "test_a_float_ttl_is_refused_at_zero_and_below_whatever_min_ttl_was_set_to",
+        ),
+        (
+            Edit(
+                SETTINGS,
+                "        if type(value) is float and 0 < self.min_ttl <= value <= MAX_TTL:\n",
                 "        if type(value) is float and self.min_ttl <= value <= MAX_TTL:\n",
-                "        if type(value) is float and self.min_ttl <= value:\n",
             ),
         ),
     ),
