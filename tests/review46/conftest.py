@@ -87,19 +87,15 @@ def r46(world46: World) -> Iterator[Any]:
 def _worker(world: World, pool: str, concurrency: int) -> Iterator[tuple[CeleryWorker, str]]:
     """A real worker of ``pool`` on a queue of its own, stopped when the session ends."""
     queue = f"r46-{pool}-{uuid.uuid4().hex[:8]}"
-    worker = CeleryWorker(
+    with CeleryWorker(
         "tests.review46.app",
         pool=pool,
         concurrency=concurrency,
         queues=[queue],
         env=world.env,
         pythonpath=[str(ROOT)],
-    )
-    worker.start()
-    try:
+    ) as worker:
         yield worker, queue
-    finally:
-        worker.stop()
 
 
 @pytest.fixture(scope="session")
