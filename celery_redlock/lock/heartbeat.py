@@ -215,14 +215,9 @@ class Heartbeat:
             if old is not None:
                 old.done = True
             self._entries[id(lock)] = entry
-            # A thread wake-up per task costs more than the rest of keep() and forget() together,
-            # so the thread is woken only when this lock is due before it would wake anyway.
-            wake = due < self._sleep_until
-            heapq.heappush(self._queue, (due, next(self._seq), entry))  # _push, inlined
-            if not self._running or self._stopping:
-                self._ensure_thread()
-            if wake:
-                self._cond.notify()
+            self._push(due, entry)
+            if not self._running or self._stopping:  # stopping: that thread is on its way out
+                self._start_thread()
 
     def _interval(self, lock: Lock, interval: float | None) -> tuple[float, float]:
         """(:func:`heartbeat_interval`, that plus its :func:`margin`) for ``lock``, looked up
@@ -284,17 +279,27 @@ class Heartbeat:
 
     # -- the thread ---------------------------------------------------------------------------------
     def _push(self, at: float, entry: _Entry) -> None:
-        heapq.heappush(self._queue, (at, next(self._seq), entry))
+        """Queue ``entry`` to be extended at ``at`` (holding the mutex).
 
-    def _ensure_thread(self) -> None:
-        if not self._running or self._stopping:  # stopping: that thread is on its way out
-            self._running = True
-            self._stopping = False
-            # INVARIANT: one thread beats at a time. A thread told to stop may still be inside
-            # a beat (outside the mutex) when keep() starts its successor here and clears the
-            # stop: it must not go on, so every thread runs only while it is ``_thread``.
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+        INVARIANT: a sleeping thread wakes by the first due time in the queue. A thread wake-up
+        per task costs more than the rest of keep() and forget() together, so it is woken only
+        for an entry due before it would wake anyway: a lock kept now, or one that a thread
+        replaced by keep() (see _start_thread) rescheduled after its successor went to sleep.
+        """
+        heapq.heappush(self._queue, (at, next(self._seq), entry))
+        if at < self._sleep_until:
+            self._cond.notify()
+
+    def _start_thread(self) -> None:
+        """A new thread, called holding the mutex when none runs or the one running was told
+        to stop (it is on its way out)."""
+        self._running = True
+        self._stopping = False
+        # INVARIANT: one thread beats at a time. A thread told to stop may still be inside a
+        # beat (outside the mutex) when keep() starts its successor here and clears the stop:
+        # it must not go on, so every thread runs only while it is ``_thread``.
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -318,7 +323,7 @@ class Heartbeat:
     def _wait_for_due(self) -> list[_Entry] | None:
         """The entries to extend now, once the first is due (called holding the condition):
         every entry due by then or within ``BATCH_WINDOW`` of its interval after it, so that
-        they share one round. None to stop (told to, or replaced: see _ensure_thread)."""
+        they share one round. None to stop (told to, or replaced: see _start_thread)."""
         me = threading.current_thread()
         while self._beats(me):
             queue = self._queue  # forget() may replace it (compaction) while this one waits
@@ -346,19 +351,22 @@ class Heartbeat:
                         due.append(entry)
                 return due
             if queue:
-                until = queue[0][0]
-            elif dropped_until > current:
-                until = dropped_until
+                self._sleep(me, queue[0][0], current)
             else:
-                until = math.inf
-            self._sleep_until = until
-            self._cond.wait(None if until == math.inf else until - current)
-            self._sleep_until = 0.0
+                self._sleep(me, dropped_until if dropped_until > current else math.inf, current)
         return None
+
+    def _sleep(self, me: threading.Thread, until: float, current: float) -> None:
+        """Wait on the condition (holding it) until ``until`` or a wake-up, saying meanwhile in
+        ``_sleep_until`` when this thread will look at the queue (see _push's INVARIANT)."""
+        self._sleep_until = until
+        self._cond.wait(None if until == math.inf else until - current)
+        if self._thread is me:  # replaced, it must not mark its successor awake
+            self._sleep_until = 0.0
 
     def _beats(self, thread: threading.Thread) -> bool:
         """Whether ``thread`` is to go on beating: not told to stop, and not replaced (see
-        _ensure_thread's INVARIANT). Asked holding the condition."""
+        _start_thread's INVARIANT). Asked holding the condition."""
         return not self._stopping and self._thread is thread
 
     def _beat(self, due: list[_Entry]) -> None:

@@ -163,6 +163,13 @@ MASTERS_FROM_ENV = 'CELERY_REDLOCK_MASTERS = os.environ["CFG_MASTERS"]'
         pytest.param(
             MASTERS_FROM_ENV, ", lock_ttl=0.05", r"\.job': lock_ttl must be at least", id="lock_ttl"
         ),
+        # Above what a round can honour, but too short for any heartbeat interval to keep alive.
+        pytest.param(
+            MASTERS_FROM_ENV,
+            ", lock_ttl=0.12",
+            r"\.job': lock_ttl 0\.12 s is too short to be kept alive",
+            id="lock_ttl-unkeepable",
+        ),
         # A misspelt setting stops it, with the right name.
         pytest.param(
             'CELERY_REDLOCK_MASTER = os.environ["CFG_MASTERS"]',

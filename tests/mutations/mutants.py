@@ -1369,4 +1369,36 @@ MUTANTS: tuple[Mutant, ...] = (
             ),
         ),
     ),
+    Mutant(
+        "replaced_thread_marks_successor_awake",
+        "a heartbeat thread replaced by keep() wakes after its successor went to sleep and marks "
+        "the heartbeat awake: keep() then never wakes the successor for an earlier lock",
+        (
+            "tests/review47/test_review47_heartbeat.py::test_a_replaced_thread_waking_late_does_not_hide_its_successors_sleep",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        if self._thread is me:  # replaced, it must not mark its successor awake\n"
+                "            self._sleep_until = 0.0\n",
+                "        self._sleep_until = 0.0\n",
+            ),
+        ),
+    ),
+    Mutant(
+        "rescheduled_entry_wakes_nobody",
+        "a retry queued by a replaced heartbeat thread (or any push) wakes no sleeping thread: the "
+        "successor sleeps past it and the lock expires",
+        (
+            "tests/review47/test_review47_heartbeat.py::"
+            "test_a_lock_rescheduled_by_a_replaced_thread_is_still_extended[stop-and-keep]",
+        ),
+        (
+            Edit(
+                "celery_redlock/lock/heartbeat.py",
+                "        if at < self._sleep_until:\n            self._cond.notify()\n",
+                "",
+            ),
+        ),
+    ),
 )
